@@ -1,0 +1,76 @@
+"""`swarm-node` command line: one subcommand per operator task.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``main(args) -> int``. Modules keep heavy imports (torch, hivemind) inside ``main`` so that
+``swarm-node --help`` is fast, and ``probe`` (py-libp2p) never shares a process with hivemind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("node.daemon", "run a node that holds one pipeline stage of a run"),
+    "demo": ("node.demo", "start a bootstrap peer and a whole local swarm that trains the default run"),
+    "bootstrap": ("node.bootstrap", "run a DHT-only entry peer and print its multiaddrs"),
+    "train-local": ("node.train_local", "train the chained stages in one process (the reference baseline)"),
+    "keygen": ("node.identity", "write a persistent libp2p identity key (mode 0600)"),
+    "status": ("node.status", "show a node's stage, state, peers, throughput and loss"),
+    "probe": ("node.probe", "dial a node with py-libp2p (a second libp2p implementation) and test it"),
+    "doctor": ("node.doctor", "check this machine: torch/CUDA, memory, ports, p2pd, clock, identity"),
+}
+
+
+class CliError(Exception):
+    """An operator mistake: printed as one line `swarm-node: error: ...`, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-node",
+        description="Lend a GPU to a public swarm that trains one transformer by pipeline parallelism.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text", help="log line format")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            p.set_defaults(_missing=module_name)
+            continue
+        module.add_arguments(p)
+        p.set_defaults(_main=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    from node.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
+    if getattr(args, "_missing", None):
+        print(f"swarm-node: error: '{args.command}' is not built yet in this version", file=sys.stderr)
+        return 2
+    try:
+        return int(args._main(args) or 0)
+    except CliError as e:
+        print(f"swarm-node: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("swarm-node: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

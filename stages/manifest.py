@@ -1,0 +1,467 @@
+"""Run manifest: everything the peers of one run must agree on, as typed dataclasses from TOML.
+
+A manifest fixes the model shape, the stage layout (which layers each stage holds), the
+Subspace compression rate, the seed (basis U and token table T derive from it), optimizer and
+schedule, data, AsyncMesh averaging, SENTINEL parameters and the protocol version.
+
+``load_manifest(path)`` parses and validates; every mistake raises ``ManifestError`` naming
+the field (``model.n_heads: 6 does not divide model.d_model=256``). ``manifest_hash`` is the
+SHA-256 of the canonical JSON of the *consensus* fields; ``diff_manifests`` names the fields
+that differ so a node that refuses to join can say why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+KNOWN_OPTIMIZERS = ("adamw", "adam", "nadam", "sgd", "muon", "numuon")
+KNOWN_SCHEDULES = ("constant", "cosine", "linear")
+KNOWN_DATA_SOURCES = ("stdlib", "text", "hf")
+KNOWN_PIPELINE_MODES = ("lookahead", "none", "gpipe")
+
+
+class ManifestError(ValueError):
+    """A manifest is unusable; the message names the field and what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    id: str = "swarm-default"
+    seed: int = 1234
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 4
+    ffn_hidden: int = 0  # 0: SwiGLU default, 8/3 * d rounded up to a multiple of 32
+    seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return int(math.ceil(8 * self.d_model / 3 / 32) * 32)
+
+
+@dataclass(frozen=True)
+class SubspaceConfig:
+    enabled: bool = True
+    compression_rate: int = 32  # k = d_model // compression_rate
+    constrain_tail: bool = False
+    token_table_scale: float = 1.0  # T ~ N(0, scale^2 / d) per entry
+
+    def rank(self, d_model: int) -> int:
+        return d_model // self.compression_rate if self.enabled else d_model
+
+
+@dataclass(frozen=True)
+class StagesConfig:
+    # half-open layer ranges [start, end) per stage, in pipeline order
+    layout: tuple[tuple[int, int], ...] = ((0, 2), (2, 4), (4, 6))
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.layout)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    momentum: float = 0.95  # muon / numuon / sgd
+    # numuon rank schedule: r(t) held at rank_start for rank_hold_frac of training, then cosine
+    # decayed to rank_final by rank_decay_end_frac
+    rank_start: float = 1.0
+    rank_final: float = 0.25
+    rank_hold_frac: float = 0.1
+    rank_decay_end_frac: float = 0.8
+    # the optimizer used by muon / numuon for embeddings, head and gains
+    aux_lr: float = 3e-3
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    kind: str = "cosine"
+    warmup_steps: int = 20
+    total_steps: int = 400
+    min_lr_frac: float = 0.1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text | hf
+    path: str = ""  # text file or folder (text), dataset dir saved with save_to_disk (hf)
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    batch_size: int = 16  # sequences per microbatch
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 400
+    val_every: int = 50
+    val_batches: int = 8
+    checkpoint_every: int = 100
+    log_every: int = 10
+    grad_accum: int = 1
+    max_inflight: int = 4  # microbatches a head keeps in flight
+
+
+@dataclass(frozen=True)
+class AsyncMeshConfig:
+    mode: str = "lookahead"  # lookahead | none | gpipe
+    gpipe_flush_every: int = 4
+    delay_ema: float = 0.9
+    avg_fraction: float = 0.05  # p
+    avg_every: int = 10  # H
+    avg_correction: bool = True
+    avg_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class SentinelConfig:
+    enabled: bool = True
+    beta_act: float = 0.9
+    beta_grad: float = 0.8
+    n_projections: int = 16
+    warmup: int = 10
+    window: int = 64
+    kappa: float = 3.0
+    flags_to_ban: int = 3
+    replace_rejected_grad: bool = False
+    allow_attacks: bool = False
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Architecture warm-up (papers.md §5): unlock groups of blocks at given steps."""
+
+    enabled: bool = False
+    # groups of global layer indices, and the step at which each group unlocks
+    groups: tuple[tuple[int, ...], ...] = ()
+    unlock_steps: tuple[int, ...] = ()
+    sharpness_every: int = 0  # 0 = off
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    asyncmesh: AsyncMeshConfig = field(default_factory=AsyncMeshConfig)
+    sentinel: SentinelConfig = field(default_factory=SentinelConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+    @property
+    def k(self) -> int:
+        """Boundary width: subspace rank k, or d_model for a dense run."""
+        return self.subspace.rank(self.model.d_model)
+
+    @property
+    def n_stages(self) -> int:
+        return self.stages.n_stages
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+    def replace(self, **sections: Any) -> Manifest:
+        """Copy with some fields changed: ``m.replace(model={"d_model": 128})``; validated."""
+        data = self.to_dict()
+        for section, values in sections.items():
+            if section not in data:
+                raise ManifestError(f"unknown manifest section {section!r}")
+            data[section].update(values)
+        return manifest_from_dict(data)
+
+
+# Sections and fields peers must agree on. train/data.batch_size are local choices.
+_LOCAL_ONLY = {
+    "train": None,  # whole section local
+    "data": ("batch_size", "path"),
+}
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Manifest)}
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _section_class(name: str) -> type:
+    return {
+        "run": RunConfig,
+        "model": ModelConfig,
+        "subspace": SubspaceConfig,
+        "stages": StagesConfig,
+        "optim": OptimConfig,
+        "schedule": ScheduleConfig,
+        "data": DataConfig,
+        "train": TrainConfig,
+        "asyncmesh": AsyncMeshConfig,
+        "sentinel": SentinelConfig,
+        "warmup": WarmupConfig,
+    }[name]
+
+
+def _coerce(section: str, name: str, default: Any, value: Any) -> Any:
+    where = f"{section}.{name}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ManifestError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ManifestError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ManifestError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ManifestError(f"{where}: must be finite, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ManifestError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ManifestError(f"{where}: expected a list, got {value!r}")
+        out = []
+        for item in value:
+            if isinstance(item, (list, tuple)):
+                if not all(isinstance(x, int) and not isinstance(x, bool) for x in item):
+                    raise ManifestError(f"{where}: expected lists of integers, got {value!r}")
+                out.append(tuple(item))
+            elif isinstance(item, bool) or not isinstance(item, (int, float)):
+                raise ManifestError(f"{where}: expected numbers, got {value!r}")
+            else:
+                out.append(item)
+        return tuple(out)
+    return value
+
+
+def manifest_from_dict(data: dict[str, Any]) -> Manifest:
+    """Build and validate a manifest from a plain mapping (as parsed from TOML)."""
+    if not isinstance(data, dict):
+        raise ManifestError("manifest must be a table of sections")
+    sections: dict[str, Any] = {}
+    for section, values in data.items():
+        if section not in _SECTIONS:
+            raise ManifestError(
+                f"unknown manifest section [{section}]; known: {', '.join(sorted(_SECTIONS))}"
+            )
+        if not isinstance(values, dict):
+            raise ManifestError(f"[{section}] must be a table")
+        cls = _section_class(section)
+        defaults = cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for name, value in values.items():
+            if name not in known:
+                raise ManifestError(
+                    f"{section}.{name}: unknown field; known: {', '.join(sorted(known))}"
+                )
+            kwargs[name] = _coerce(section, name, getattr(defaults, name), value)
+        sections[section] = cls(**kwargs)
+    manifest = Manifest(**sections)
+    validate_manifest(manifest)
+    return manifest
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Load a manifest from a TOML file, or a name of a shipped one (``default``, ``test``)."""
+    p = Path(path)
+    if not p.exists() and not p.suffix:
+        shipped = shipped_manifest_path(str(path))
+        if shipped is not None:
+            p = shipped
+    if not p.exists():
+        raise ManifestError(f"manifest file not found: {path}")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"{p}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{p}: not UTF-8 text: {e}") from e
+    return manifest_from_dict(data)
+
+
+def shipped_manifest_path(name: str) -> Path | None:
+    """Path of a manifest shipped with the project (``runs/NAME.toml``), if present."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "runs" / f"{name}.toml", here / "runs" / f"{name}.toml"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def validate_manifest(m: Manifest) -> None:
+    """Raise ManifestError with a specific message for the first problem found."""
+    md = m.model
+    if not m.run.id or not m.run.id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ManifestError(f"run.id: must be non-empty [A-Za-z0-9._-], got {m.run.id!r}")
+    if m.run.protocol_version != PROTOCOL_VERSION:
+        raise ManifestError(
+            f"run.protocol_version: this node speaks version {PROTOCOL_VERSION}, "
+            f"the manifest asks for {m.run.protocol_version}"
+        )
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
+        if getattr(md, name) <= 0:
+            raise ManifestError(f"model.{name}: must be positive, got {getattr(md, name)}")
+    if md.d_model % md.n_heads:
+        raise ManifestError(f"model.n_heads: {md.n_heads} does not divide model.d_model={md.d_model}")
+    if md.head_dim % 2:
+        raise ManifestError(f"model: head_dim={md.head_dim} must be even for RoPE")
+    if md.ffn_hidden < 0:
+        raise ManifestError(f"model.ffn_hidden: must be >= 0, got {md.ffn_hidden}")
+    if md.vocab_size > 2**31 - 1:
+        raise ManifestError("model.vocab_size: too large")
+    sub = m.subspace
+    if sub.enabled:
+        if sub.compression_rate < 1:
+            raise ManifestError(f"subspace.compression_rate: must be >= 1, got {sub.compression_rate}")
+        if md.d_model // sub.compression_rate == 0:
+            raise ManifestError(
+                f"subspace.compression_rate: k = d_model // compression_rate = "
+                f"{md.d_model} // {sub.compression_rate} = 0; lower the rate"
+            )
+    if sub.token_table_scale < 0:
+        raise ManifestError("subspace.token_table_scale: must be >= 0")
+    layout = m.stages.layout
+    if not layout:
+        raise ManifestError("stages.layout: at least one stage is needed")
+    expected = 0
+    for i, rng in enumerate(layout):
+        if len(rng) != 2:
+            raise ManifestError(f"stages.layout[{i}]: expected [start, end], got {list(rng)}")
+        start, end = rng
+        if start != expected:
+            if start > expected:
+                raise ManifestError(f"stages.layout: layers {expected}..{start - 1} are not covered by any stage")
+            raise ManifestError(f"stages.layout[{i}]: starts at layer {start}, overlapping the previous stage")
+        if end <= start:
+            raise ManifestError(f"stages.layout[{i}]: empty or reversed range [{start}, {end})")
+        expected = end
+    if expected != md.n_layers:
+        if expected < md.n_layers:
+            raise ManifestError(
+                f"stages.layout: layers {expected}..{md.n_layers - 1} are not covered by any stage"
+            )
+        raise ManifestError(f"stages.layout: covers {expected} layers but model.n_layers={md.n_layers}")
+    o = m.optim
+    if o.name not in KNOWN_OPTIMIZERS:
+        raise ManifestError(f"optim.name: unknown optimizer {o.name!r}; known: {', '.join(KNOWN_OPTIMIZERS)}")
+    if o.lr <= 0 or o.aux_lr <= 0:
+        raise ManifestError("optim.lr / optim.aux_lr: must be positive")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ManifestError(f"optim.betas: expected two numbers in [0, 1), got {list(o.betas)}")
+    if not 0 < o.rank_final <= 1 or not 0 < o.rank_start <= 1:
+        raise ManifestError("optim.rank_start / optim.rank_final: must be in (0, 1]")
+    s = m.schedule
+    if s.kind not in KNOWN_SCHEDULES:
+        raise ManifestError(f"schedule.kind: unknown schedule {s.kind!r}; known: {', '.join(KNOWN_SCHEDULES)}")
+    if s.warmup_steps < 0 or s.total_steps <= 0:
+        raise ManifestError("schedule: warmup_steps must be >= 0 and total_steps > 0")
+    d = m.data
+    if d.source not in KNOWN_DATA_SOURCES:
+        raise ManifestError(f"data.source: unknown source {d.source!r}; known: {', '.join(KNOWN_DATA_SOURCES)}")
+    if d.source in ("text", "hf") and not d.path:
+        raise ManifestError(f"data.path: required when data.source = {d.source!r}")
+    if not 0 < d.val_fraction < 1:
+        raise ManifestError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if d.batch_size <= 0:
+        raise ManifestError("data.batch_size: must be positive")
+    t = m.train
+    if t.steps <= 0 or t.grad_accum <= 0 or t.max_inflight <= 0:
+        raise ManifestError("train.steps, train.grad_accum, train.max_inflight: must be positive")
+    a = m.asyncmesh
+    if a.mode not in KNOWN_PIPELINE_MODES:
+        raise ManifestError(
+            f"asyncmesh.mode: unknown mode {a.mode!r}; known: {', '.join(KNOWN_PIPELINE_MODES)}"
+        )
+    if not 0 < a.avg_fraction <= 1:
+        raise ManifestError(f"asyncmesh.avg_fraction: must be in (0, 1], got {a.avg_fraction}")
+    if a.avg_every <= 0:
+        raise ManifestError("asyncmesh.avg_every: must be positive")
+    se = m.sentinel
+    if not 0 < se.beta_act < 1 or not 0 < se.beta_grad < 1:
+        raise ManifestError("sentinel.beta_act / sentinel.beta_grad: must be in (0, 1)")
+    if se.window < 4 or se.n_projections <= 0 or se.flags_to_ban <= 0:
+        raise ManifestError("sentinel: window >= 4, n_projections > 0, flags_to_ban > 0 required")
+    w = m.warmup
+    if w.enabled:
+        if len(w.groups) != len(w.unlock_steps):
+            raise ManifestError(
+                f"warmup: {len(w.groups)} groups but {len(w.unlock_steps)} unlock_steps"
+            )
+        seen: set[int] = set()
+        for g in w.groups:
+            for layer in g:
+                if not 0 <= layer < md.n_layers:
+                    raise ManifestError(f"warmup.groups: layer {layer} out of range 0..{md.n_layers - 1}")
+                if layer in seen:
+                    raise ManifestError(f"warmup.groups: layer {layer} appears twice")
+                seen.add(layer)
+
+
+def consensus_dict(m: Manifest) -> dict[str, Any]:
+    """The fields every peer of the run must agree on (local-only choices removed)."""
+    data = m.to_dict()
+    for section, fields in _LOCAL_ONLY.items():
+        if fields is None:
+            data.pop(section, None)
+        else:
+            for f in fields:
+                data[section].pop(f, None)
+    return data
+
+
+def manifest_hash(m: Manifest) -> str:
+    """Canonical hash (hex SHA-256 of sorted-key compact JSON of the consensus fields)."""
+    blob = json.dumps(consensus_dict(m), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
+    """Dotted names of the consensus fields that differ, e.g. ``["model.d_model"]``."""
+    da, db = consensus_dict(a), consensus_dict(b)
+    out = []
+    for section in sorted(set(da) | set(db)):
+        sa, sb = da.get(section, {}), db.get(section, {})
+        for name in sorted(set(sa) | set(sb)):
+            if sa.get(name) != sb.get(name):
+                out.append(f"{section}.{name}")
+    return out

@@ -1,0 +1,33 @@
+"""Shared test fixtures. The asyncio loop is uvloop where available (pytest-asyncio strict mode)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Run every asyncio test on uvloop (the daemon's loop), plain asyncio where unavailable."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a runtime dependency on Linux
+        return {"asyncio": asyncio.new_event_loop}
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def test_manifest():
+    from stages.manifest import load_manifest
+
+    return load_manifest(ROOT / "runs" / "test.toml")
+
+
+@pytest.fixture(scope="session")
+def default_manifest():
+    from stages.manifest import load_manifest
+
+    return load_manifest(ROOT / "runs" / "default.toml")
