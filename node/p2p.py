@@ -1,0 +1,540 @@
+"""libp2p transport: our frame protocols on hivemind's binary streams (go-libp2p daemon ``p2pd``).
+
+One libp2p stream carries one exchange. For ``fwd``, ``bwd`` and ``health`` the caller writes one
+request frame and reads one reply frame (``ack``, ``reject`` or a typed reply); for ``state`` the
+server answers one request with a stream of frames and closes. Frames are the sans-I/O format of
+``protocol.frames``; this module only moves their bytes, enforces the limits while reading (the
+decoder refuses a frame before allocating its body), and turns replies into exceptions.
+
+Why binary streams and not hivemind's protobuf handlers: a tensor then crosses the wire as its own
+bytes, with no protobuf message around it, no 2 MiB chunking and no extra copies (see
+``scripts/bench_transport.py`` for the measured difference).
+
+Backpressure is explicit: a server that already runs ``max_streams_per_peer`` exchanges for one
+peer, or ``max_inflight_handlers`` in total, answers ``reject``/``busy`` at once without reading
+the request, and the caller raises :class:`PeerBusy` so its router can pick another replica.
+
+hivemind is imported lazily (inside functions) so ``import node.p2p`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.frames import Frame, FrameDecoder, Limits, ProtocolError, Reason, encode_frame
+from protocol.messages import make_reject
+
+logger = logging.getLogger(__name__)
+
+FWD = "/swarm-node/fwd/1"
+BWD = "/swarm-node/bwd/1"
+STATE = "/swarm-node/state/1"
+HEALTH = "/swarm-node/health/1"
+PROTOCOLS = (FWD, BWD, STATE, HEALTH)
+
+# One read from the daemon's unix socket: large reads keep the per-byte cost of Python low.
+READ_CHUNK = 1 << 20
+# The asyncio StreamReader stops reading from the socket above 2 * limit buffered bytes; the
+# default (64 KiB) makes a 64 MiB frame cost ~500 pause/resume round trips.
+READER_LIMIT = 1 << 22
+
+Tensors = Sequence[tuple[str, Any]]
+# (header, [(name, tensor), ...]) or an encoded frame (the buffer list of protocol.messages.make_*)
+Reply = "tuple[dict, Tensors] | list"
+Handler = Callable[[Frame, str], Any]  # -> Reply | Awaitable[Reply]
+StreamHandler = Callable[[Frame, str], AsyncIterator[Any]]  # yields Reply
+
+
+class TransportError(Exception):
+    """Base of the errors a request can raise (besides ``asyncio.TimeoutError``)."""
+
+
+class PeerUnreachable(TransportError):
+    """The daemon could not open a stream to the peer (offline, no address, protocol not served),
+    or the stream broke before a complete reply arrived."""
+
+
+class PeerBusy(TransportError):
+    """The peer answered ``busy``: its stream or handler limit is reached; try another replica."""
+
+
+class PeerRejected(TransportError):
+    """The peer answered ``reject`` with a reason code (``wrong-run``, ``stale``, ...)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class TransportStats:
+    """Counters for the metrics exporter: bytes per (protocol, direction), exchanges and outcomes.
+
+    Direction is ``"in"`` (read from the network) or ``"out"`` (written to it), for both the
+    serving and the calling side.
+    """
+
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    frames: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    served: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # (protocol, reason) for rejects we sent, and for rejects we received
+    rejects_sent: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    rejects_received: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    handler_errors: int = 0
+
+    def snapshot(self) -> dict:
+        """A plain, JSON-friendly copy."""
+        return {
+            "bytes": {f"{p} {d}": n for (p, d), n in self.bytes.items()},
+            "frames": {f"{p} {d}": n for (p, d), n in self.frames.items()},
+            "served": dict(self.served),
+            "requests": dict(self.requests),
+            "rejects_sent": {f"{p} {r}": n for (p, r), n in self.rejects_sent.items()},
+            "rejects_received": {f"{p} {r}": n for (p, r), n in self.rejects_received.items()},
+            "handler_errors": self.handler_errors,
+        }
+
+
+class Transport:
+    """Our stream protocols on one ``hivemind.P2P`` (one go-libp2p daemon).
+
+    Build it with :meth:`start` (owns a new daemon) or around a P2P you already have, e.g. the
+    replica from ``await hivemind.DHT(...).replicate_p2p()`` so that the DHT and the tensor streams
+    share one daemon and one peer id (the DHT then owns the daemon; :meth:`close` only detaches).
+    """
+
+    def __init__(
+        self,
+        p2p: Any,
+        *,
+        limits: Limits | None = None,
+        max_streams_per_peer: int = 8,
+        max_inflight_handlers: int = 64,
+        read_timeout: float = 120.0,
+        _owns_p2p: bool = False,
+    ):
+        self.p2p = p2p
+        self.limits = limits if limits is not None else Limits()
+        self.max_streams_per_peer = max_streams_per_peer
+        self.max_inflight_handlers = max_inflight_handlers
+        self.stats = TransportStats()
+        self._owns_p2p = _owns_p2p
+        self._served: list[str] = []
+        self._incoming: dict[str, int] = defaultdict(int)
+        self._inflight = 0
+        self._outgoing: dict[str, asyncio.Semaphore] = {}
+        self._closed = False
+        # a stream that has not delivered its request frame within this many seconds is dropped
+        self.read_timeout = read_timeout
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        announce_maddrs: Sequence[str] = (),
+        initial_peers: Sequence[str] = (),
+        identity_path: str | os.PathLike | None = None,
+        use_relay: bool = False,
+        use_auto_relay: bool = False,
+        nat_port_map: bool = False,
+        auto_nat: bool = False,
+        startup_timeout: float = 30,
+        **transport_kwargs: Any,
+    ) -> Transport:
+        """Start a new p2pd with these switches and wrap it.
+
+        Defaults are loopback-only with NAT traversal and relays off (tests, local swarms); a
+        public node passes its ``--host-maddrs`` / ``--announce-maddrs`` and turns the switches on.
+        ``identity_path`` must be a key written by ``swarm-node keygen`` (checked: mode 0600).
+        """
+        from hivemind.p2p import P2P
+
+        kwargs: dict[str, Any] = {}
+        if identity_path is not None:
+            from node.identity import check_identity
+
+            check_identity(identity_path)
+            kwargs["identity_path"] = os.fspath(identity_path)
+            # hivemind's own check assumes RSA keys and spawns a second daemon; the node calls
+            # node.identity.identity_in_use through its DHT instead.
+            kwargs["check_if_identity_free"] = False
+        p2p = await P2P.create(
+            initial_peers=list(initial_peers) or None,
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs) or None,
+            use_relay=use_relay,
+            use_auto_relay=use_auto_relay,
+            nat_port_map=nat_port_map,
+            auto_nat=auto_nat,
+            startup_timeout=startup_timeout,
+            **kwargs,
+        )
+        return cls(p2p, _owns_p2p=True, **transport_kwargs)
+
+    async def close(self) -> None:
+        """Stop serving. If this transport started the daemon, stop it and remove its sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_p2p:
+            await self.p2p.shutdown()
+            return
+        for protocol_id in self._served:
+            with contextlib.suppress(Exception):
+                await self.p2p.remove_binary_stream_handler(protocol_id)
+        await self.p2p.shutdown()  # a replica: closes our client and its socket, not the daemon
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    async def visible_maddrs(self, latest: bool = False) -> list[str]:
+        """Full multiaddrs other peers can dial, each ending in ``/p2p/<peer id>``."""
+        return [str(m) for m in await self.p2p.get_visible_maddrs(latest=latest)]
+
+    async def connect(self, maddr: str, timeout: float = 10) -> str:
+        """Dial a full multiaddr (``.../p2p/<id>``) so later requests to that peer id work without
+        a DHT lookup; returns the peer id."""
+        from hivemind.p2p import PeerID
+        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+        from hivemind.utils.multiaddr import Multiaddr
+
+        ma = Multiaddr(maddr)
+        try:
+            peer_id = ma.value_for_protocol("p2p")
+        except Exception as e:
+            raise ValueError(f"{maddr}: a full multiaddr ending in /p2p/<peer id> is needed") from e
+        addr = ma.decapsulate(Multiaddr(f"/p2p/{peer_id}"))
+        try:
+            async with asyncio.timeout(timeout):
+                await self.p2p._client.connect(PeerID.from_base58(peer_id), [addr])
+        except P2PDaemonError as e:
+            raise PeerUnreachable(f"cannot dial {maddr}: {e}") from e
+        return peer_id
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self, protocol_id: str, handler: Handler) -> None:
+        """Answer each stream of ``protocol_id`` with one reply frame from ``handler(frame, peer)``.
+
+        The handler returns ``(header, [(name, tensor), ...])`` or an encoded frame (the buffer
+        list of ``protocol.messages.make_*``), or an awaitable of either. It may raise
+        :class:`ProtocolError` (the peer gets ``reject`` with its reason); any other exception
+        becomes ``reject``/``internal`` and is logged, never propagated.
+        """
+
+        async def respond(frame: Frame, peer: str, writer: asyncio.StreamWriter) -> None:
+            reply = handler(frame, peer)
+            if inspect.isawaitable(reply):
+                reply = await reply
+            await self._write(writer, protocol_id, _encode(reply))
+
+        await self._register(protocol_id, respond)
+
+    async def serve_stream(self, protocol_id: str, handler: StreamHandler) -> None:
+        """Answer each stream of ``protocol_id`` with every frame ``handler(frame, peer)`` yields
+        (same forms as for :meth:`serve`), then close it (``/swarm-node/state/1``)."""
+
+        async def respond(frame: Frame, peer: str, writer: asyncio.StreamWriter) -> None:
+            async for reply in handler(frame, peer):
+                await self._write(writer, protocol_id, _encode(reply))
+
+        await self._register(protocol_id, respond)
+
+    async def _register(self, protocol_id: str, respond: Callable[..., Awaitable[None]]) -> None:
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._on_stream(protocol_id, info, reader, writer, respond)
+
+        await self.p2p.add_binary_stream_handler(protocol_id, on_stream)
+        self._served.append(protocol_id)
+
+    async def _on_stream(
+        self,
+        protocol_id: str,
+        info: Any,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        respond: Callable[[Frame, str, asyncio.StreamWriter], Awaitable[None]],
+    ) -> None:
+        peer = info.peer_id.to_base58()
+        _widen(reader)
+        if self._inflight >= self.max_inflight_handlers or self._incoming[peer] >= self.max_streams_per_peer:
+            # answer before reading anything: the caller reads while it writes
+            await self._send_reject(writer, protocol_id, Reason.BUSY, "too many concurrent streams")
+            await _close(writer)
+            return
+        self._inflight += 1
+        self._incoming[peer] += 1
+        try:
+            try:
+                async with asyncio.timeout(self.read_timeout):
+                    frame = await self._read_frame(reader, protocol_id)
+                if frame is None:
+                    raise ProtocolError(Reason.BAD_FRAME, "stream closed before a frame")
+                self.stats.served[protocol_id] += 1
+                await respond(frame, peer, writer)
+            except ProtocolError as e:
+                await self._send_reject(writer, protocol_id, e.reason, e.detail)
+            except TimeoutError:
+                logger.debug("%s from %s: no complete frame in %.0f s", protocol_id, peer, self.read_timeout)
+                _abort(writer)
+                return
+            except (ConnectionError, OSError) as e:
+                logger.debug("%s from %s: stream broke: %r", protocol_id, peer, e)
+                _abort(writer)
+                return
+            except Exception:
+                self.stats.handler_errors += 1
+                logger.exception("handler for %s failed on a frame from %s", protocol_id, peer)
+                await self._send_reject(writer, protocol_id, Reason.INTERNAL, "the handler failed")
+            await _close(writer)
+        except asyncio.CancelledError:
+            _abort(writer)
+            raise
+        except Exception:  # never let one stream take the node down
+            logger.exception("%s stream from %s failed", protocol_id, peer)
+            _abort(writer)
+        finally:
+            self._inflight -= 1
+            self._incoming[peer] -= 1
+            if not self._incoming[peer]:
+                del self._incoming[peer]
+
+    async def _send_reject(self, writer: asyncio.StreamWriter, protocol_id: str, reason: Any, detail: str) -> None:
+        self.stats.rejects_sent[(protocol_id, Reason(reason).value)] += 1
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._write(writer, protocol_id, make_reject(reason, detail))
+
+    # ------------------------------------------------------------------ calling
+
+    async def request(
+        self,
+        peer_id: str,
+        protocol_id: str,
+        header: dict | list,
+        tensors: Tensors = (),
+        *,
+        timeout: float,
+    ) -> Frame:
+        """Send one frame, return the reply frame.
+
+        ``header`` + ``tensors`` are encoded here; or pass an already encoded frame (the buffer
+        list of ``protocol.messages.make_*``) as ``header``. Raises :class:`PeerBusy`,
+        :class:`PeerRejected` (``.reason``, ``.detail``), :class:`PeerUnreachable`,
+        ``asyncio.TimeoutError`` (the whole exchange took longer than ``timeout`` s), or
+        ``ProtocolError`` if the reply itself is malformed. Cancelling the call resets the stream.
+        """
+        buffers = _encode((header, tensors))
+        self.stats.requests[protocol_id] += 1
+        async with asyncio.timeout(timeout):
+            async with self._peer_slot(peer_id):
+                reader, writer = await self._open(peer_id, protocol_id)
+                reply = await self._exchange(peer_id, protocol_id, reader, writer, buffers)
+        if reply is None:
+            raise PeerUnreachable(f"{peer_id} closed the {protocol_id} stream without a reply")
+        self._raise_if_reject(protocol_id, reply)
+        return reply
+
+    async def _exchange(
+        self,
+        peer_id: str,
+        protocol_id: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        buffers: list,
+    ) -> Frame | None:
+        # Read while writing: a busy or rejecting peer answers before it has read our frame and
+        # closes its side; its reply is what the caller needs, not the broken pipe.
+        write_task = asyncio.ensure_future(self._write(writer, protocol_id, buffers))
+        read_task = asyncio.ensure_future(self._read_frame(reader, protocol_id))
+        try:
+            await asyncio.wait([write_task, read_task], return_when=asyncio.FIRST_COMPLETED)
+            if not read_task.done() and write_task.exception() is not None:
+                err = write_task.exception()
+                if not isinstance(err, (ConnectionError, OSError)):
+                    raise err
+                # the peer stopped reading; a reject may still be on its way
+                await asyncio.wait([read_task], timeout=1.0)
+                if not read_task.done():
+                    raise PeerUnreachable(f"{peer_id} closed the {protocol_id} stream: {err!r}")
+            try:
+                reply = await read_task
+            except (ConnectionError, OSError) as e:
+                raise PeerUnreachable(f"{peer_id} broke the {protocol_id} stream: {e!r}") from e
+        except BaseException:
+            _abort(writer)
+            raise
+        finally:
+            for task in (write_task, read_task):
+                if not task.done():
+                    task.cancel()
+            # retrieve exceptions so asyncio does not log them as never retrieved
+            await asyncio.gather(write_task, read_task, return_exceptions=True)
+        await _close(writer)
+        return reply
+
+    async def request_stream(
+        self,
+        peer_id: str,
+        protocol_id: str,
+        header: dict | list,
+        tensors: Tensors = (),
+        *,
+        timeout: float,
+    ) -> AsyncIterator[Frame]:
+        """Send one frame, then yield the reply frames until the server closes the stream.
+
+        ``timeout`` bounds opening the stream, writing the request and the wait for each next
+        frame (a long state download is fine as long as chunks keep coming). A ``reject`` frame
+        raises as in :meth:`request`; a stream cut inside a frame raises :class:`PeerUnreachable`.
+        Leaving the ``async for`` early (break, exception, cancellation) resets the stream.
+        """
+        buffers = _encode((header, tensors))
+        self.stats.requests[protocol_id] += 1
+        async with self._peer_slot(peer_id):
+            async with asyncio.timeout(timeout):
+                reader, writer = await self._open(peer_id, protocol_id)
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._write(writer, protocol_id, buffers)
+                decoder = FrameDecoder(self.limits)
+                while True:
+                    async with asyncio.timeout(timeout):
+                        try:
+                            data = await reader.read(READ_CHUNK)
+                        except (ConnectionError, OSError) as e:
+                            raise PeerUnreachable(f"{peer_id} broke the {protocol_id} stream: {e!r}") from e
+                    if not data:
+                        if not decoder.at_boundary:
+                            raise PeerUnreachable(f"{peer_id} cut the {protocol_id} stream inside a frame")
+                        break
+                    self.stats.bytes[(protocol_id, "in")] += len(data)
+                    frames = decoder.feed(data)
+                    for frame in frames:
+                        self.stats.frames[(protocol_id, "in")] += 1
+                        self._raise_if_reject(protocol_id, frame)
+                        yield frame
+            except BaseException:
+                _abort(writer)
+                raise
+            await _close(writer)
+
+    def _raise_if_reject(self, protocol_id: str, frame: Frame) -> None:
+        if frame.header.get("type") != "reject":
+            return
+        reason = str(frame.header.get("reason", "internal"))
+        detail = str(frame.header.get("detail", ""))
+        self.stats.rejects_received[(protocol_id, reason)] += 1
+        if reason == Reason.BUSY.value:
+            raise PeerBusy(f"{protocol_id}: {detail}" if detail else protocol_id)
+        raise PeerRejected(reason, detail)
+
+    @contextlib.asynccontextmanager
+    async def _peer_slot(self, peer_id: str) -> AsyncIterator[None]:
+        """At most ``max_streams_per_peer`` of our own calls to one peer at a time (callers wait,
+        within their timeout), so we never provoke ``busy`` from a peer ourselves."""
+        sem = self._outgoing.get(peer_id)
+        if sem is None:
+            sem = self._outgoing[peer_id] = asyncio.Semaphore(self.max_streams_per_peer)
+        async with sem:
+            yield
+
+    async def _open(self, peer_id: str, protocol_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        from hivemind.p2p import PeerID
+        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+        try:
+            pid = PeerID.from_base58(peer_id)
+        except Exception as e:
+            raise ValueError(f"not a peer id: {peer_id!r}") from e
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(pid, protocol_id)
+        except P2PDaemonError as e:
+            raise PeerUnreachable(f"cannot open {protocol_id} to {peer_id}: {e}") from e
+        except (ConnectionError, OSError) as e:
+            raise PeerUnreachable(f"the local p2pd is unreachable: {e!r}") from e
+        _widen(reader)
+        return reader, writer
+
+    # ------------------------------------------------------------------ frame I/O
+
+    async def _read_frame(self, reader: asyncio.StreamReader, protocol_id: str) -> Frame | None:
+        """Read exactly one frame and nothing past it. The decoder checks every limit before it
+        allocates. ``None`` on EOF before the first byte; ``ProtocolError`` on a bad or cut frame."""
+        decoder = FrameDecoder(self.limits)
+        while True:
+            data = await reader.read(min(READ_CHUNK, decoder.bytes_needed))
+            if not data:
+                if decoder.at_boundary:
+                    return None
+                decoder.eof()  # raises bad-frame: truncated
+            self.stats.bytes[(protocol_id, "in")] += len(data)
+            frames = decoder.feed(data)
+            if frames:
+                self.stats.frames[(protocol_id, "in")] += 1
+                return frames[0]
+
+    async def _write(self, writer: asyncio.StreamWriter, protocol_id: str, buffers: list) -> None:
+        """Write an encoded frame: the buffers go to the socket as they are (no join, no copy)."""
+        writer.writelines(buffers)
+        await writer.drain()
+        self.stats.bytes[(protocol_id, "out")] += sum(memoryview(b).nbytes for b in buffers)
+        self.stats.frames[(protocol_id, "out")] += 1
+
+
+def _encode(reply: Any) -> list:
+    """``(header, tensors)`` -> buffers; an already encoded frame (list of buffers) passes through."""
+    if isinstance(reply, list):
+        return reply
+    if isinstance(reply, tuple) and len(reply) == 2:
+        header, tensors = reply
+        if isinstance(header, list):
+            if tensors:
+                raise ValueError("an encoded frame was given together with extra tensors")
+            return header
+        if isinstance(header, dict):
+            return encode_frame(header, list(tensors))
+    raise TypeError(
+        f"expected (header dict, [(name, tensor), ...]) or an encoded frame, got {type(reply).__name__}"
+    )
+
+
+def _widen(reader: asyncio.StreamReader) -> None:
+    # see READER_LIMIT; asyncio keeps the limit in a private attribute, uvloop uses asyncio's reader
+    if getattr(reader, "_limit", READER_LIMIT) < READER_LIMIT:
+        reader._limit = READER_LIMIT
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Drop the connection to the daemon now; p2pd resets the libp2p stream."""
+    with contextlib.suppress(Exception):
+        writer.transport.abort()
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    """Flush and close; p2pd then closes the libp2p stream after delivering what we wrote."""
+    try:
+        writer.close()
+        async with asyncio.timeout(5):
+            await writer.wait_closed()
+    except (ConnectionError, OSError, TimeoutError):
+        _abort(writer)
