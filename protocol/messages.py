@@ -1,0 +1,659 @@
+"""Messages: what each frame type carries, how to build it, and how a receiver checks it.
+
+``make_*`` build frames as lists of buffers for ``writer.writelines`` (see ``protocol.frames``).
+``validate_*`` take a decoded ``Frame`` and either return a small typed view of it or raise
+``ProtocolError`` whose ``reason`` is what the receiver puts in its ``reject`` reply
+(``make_reject_for(err)``). Checks run from cheapest and most telling to most expensive: message
+type, run and manifest, header field types, sender stage, staleness, tensor names, dtypes,
+shapes, and last finite values. Non-finite values are ``bad-frame``: a NaN/Inf in an activation
+or gradient is never valid on the wire, whereas ``rejected-by-verifier`` is kept for finite
+tensors that SENTINEL (``security/``) judges to be an attack.
+
+Field semantics, types and limits are specified in ``docs/PROTOCOL.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol.frames import (
+    DTYPES,
+    Frame,
+    ProtocolError,
+    Reason,
+    encode_frame,
+)
+
+Buffers = list  # list[bytes | memoryview], ready for writer.writelines
+
+MAX_ID_LEN = 128  # run ids, manifest hashes, peer ids, codec names
+MAX_ROUTE = 64  # peers in a route (one per stage)
+MAX_DETAIL = 1024  # characters of a reject's human-readable detail
+MAX_U64 = 2**64 - 1
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+INDEX_DTYPES = ("int64", "int32")
+
+# Fields each message type must carry (besides v, type, tensors, body_len). PROTOCOL.md lists
+# the same; tests/test_messages.py checks that the two agree.
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "fwd": ("run", "manifest", "mb", "stage", "version", "route", "codec", "sent_ms"),
+    "bwd": ("run", "manifest", "mb", "stage", "version", "route", "codec", "sent_ms"),
+    "ack": ("mb", "stage", "version"),
+    "reject": ("reason", "detail"),
+    "state-request": ("run", "manifest", "stage"),
+    "state-chunk": ("run", "manifest", "stage", "version", "seq", "last"),
+    "health-request": (),
+    "health": ("status",),
+}
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+def _sort_by_itemsize(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    # Wider elements first keeps every tensor naturally aligned in the body (sizes are multiples
+    # of the element size), so the receiver's views are zero-copy.
+    return sorted(tensors, key=lambda nt: -nt[1].element_size())
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders
+
+
+def make_fwd(
+    run: str,
+    manifest_hash: str,
+    mb: int,
+    stage: int,
+    version: int,
+    route: Sequence[str],
+    c: torch.Tensor,
+    ids: torch.Tensor,
+    codec: str = "subspace",
+    sent_ms: int | None = None,
+    **extra,
+) -> Buffers:
+    """Activations of microbatch ``mb`` from ``stage`` to a replica of ``stage + 1``.
+
+    ``c`` is the boundary code (B, L, k) in a float dtype, ``ids`` the tokens (B, L) the tail
+    needs for its loss. ``route`` lists the peers of stages 0..stage, the sender last.
+    """
+    header = {
+        "type": "fwd", "run": run, "manifest": manifest_hash, "mb": mb, "stage": stage,
+        "version": version, "route": list(route), "codec": codec,
+        "sent_ms": _now_ms() if sent_ms is None else sent_ms, **extra,
+    }
+    return encode_frame(header, _sort_by_itemsize([("c", c), ("ids", ids)]))
+
+
+def make_bwd(
+    run: str,
+    manifest_hash: str,
+    mb: int,
+    stage: int,
+    version: int,
+    route: Sequence[str],
+    grad: torch.Tensor | None,
+    codec: str = "subspace",
+    sent_ms: int | None = None,
+    skip: Reason | str | None = None,
+    detail: str = "",
+    **extra,
+) -> Buffers:
+    """Gradient dL/dc (B, L, k) of microbatch ``mb`` from ``stage`` back to ``stage - 1``.
+
+    ``route`` is the full forward route recorded by the tail (peer of stage i at index i).
+    ``skip=<reason>`` with ``grad=None`` tells upstream stages that this microbatch will get no
+    gradient (e.g. a verifier rejected it downstream): free its context and do not step on it.
+    """
+    if (grad is None) == (skip is None):
+        raise ValueError("make_bwd: give exactly one of grad= (a gradient) or skip= (a reason)")
+    header = {
+        "type": "bwd", "run": run, "manifest": manifest_hash, "mb": mb, "stage": stage,
+        "version": version, "route": list(route), "codec": codec,
+        "sent_ms": _now_ms() if sent_ms is None else sent_ms, **extra,
+    }
+    if skip is not None:
+        header["skip"] = Reason(skip).value
+        header["detail"] = detail[:MAX_DETAIL]
+        return encode_frame(header)
+    return encode_frame(header, [("grad", grad)])
+
+
+def make_ack(mb: int | None, stage: int, version: int, queue: int | None = None, **extra) -> Buffers:
+    """Success reply to fwd/bwd: the receiver's stage and optimizer step, and its queue depth
+    (a routing hint: senders prefer replicas with short queues)."""
+    header = {"type": "ack", "mb": mb, "stage": stage, "version": version, **extra}
+    if queue is not None:
+        header["queue"] = queue
+    return encode_frame(header)
+
+
+def make_reject(
+    reason: Reason | str, detail: str, mb: int | None = None, retry_ms: int | None = None, **extra
+) -> Buffers:
+    """Refusal reply. The stream is closed after it. ``retry_ms`` goes with ``busy``."""
+    header = {"type": "reject", "reason": Reason(reason).value, "detail": str(detail)[:MAX_DETAIL], **extra}
+    if mb is not None:
+        header["mb"] = mb
+    if retry_ms is not None:
+        header["retry_ms"] = retry_ms
+    return encode_frame(header)
+
+
+def make_reject_for(err: ProtocolError, mb: int | None = None) -> Buffers:
+    """The reject reply for a ``ProtocolError`` raised by the decoder or a validator."""
+    return make_reject(err.reason, err.detail, mb=mb)
+
+
+def make_health_request(**extra) -> Buffers:
+    return encode_frame({"type": "health-request", **extra})
+
+
+def make_health(status: Mapping, **extra) -> Buffers:
+    """Health reply. ``status`` is a msgpack map with str keys (peer, run, stage, version,
+    manifest, queue, uptime_s, ...; PROTOCOL.md lists the recommended keys)."""
+    if not isinstance(status, Mapping) or not all(isinstance(k, str) for k in status):
+        raise ValueError("make_health: status must be a map with str keys")
+    return encode_frame({"type": "health", "status": dict(status), **extra})
+
+
+def make_state_request(
+    run: str, manifest_hash: str, stage: int, max_chunk_bytes: int | None = None, **extra
+) -> Buffers:
+    """Ask a replica of ``stage`` for its current weights (a joiner does this before serving)."""
+    header = {"type": "state-request", "run": run, "manifest": manifest_hash, "stage": stage, **extra}
+    if max_chunk_bytes is not None:
+        header["max_chunk_bytes"] = max_chunk_bytes
+    return encode_frame(header)
+
+
+def make_state_chunk(
+    run: str,
+    manifest_hash: str,
+    stage: int,
+    version: int,
+    seq: int,
+    last: bool,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    parts: Mapping[str, tuple[str, int, Sequence[int]]] | None = None,
+    **extra,
+) -> Buffers:
+    """One chunk of a stage's state (``seq`` counts from 0; ``last`` marks the final one).
+
+    ``parts[wire_name] = (name, start, full_shape)`` marks a tensor that is a 1-D slice of state
+    tensor ``name`` (of shape ``full_shape``) beginning at flat element ``start``; use
+    ``state_chunks`` rather than building these by hand.
+    """
+    header = {
+        "type": "state-chunk", "run": run, "manifest": manifest_hash, "stage": stage,
+        "version": version, "seq": seq, "last": bool(last), **extra,
+    }
+    if parts:
+        header["parts"] = {
+            w: {"of": of, "start": int(start), "shape": [int(d) for d in shape]}
+            for w, (of, start, shape) in parts.items()
+        }
+    return encode_frame(header, list(tensors))
+
+
+def state_chunks(
+    run: str,
+    manifest_hash: str,
+    stage: int,
+    version: int,
+    state: Mapping[str, torch.Tensor],
+    max_chunk_bytes: int = 16 * 1024 * 1024,
+) -> Iterator[Buffers]:
+    """Split a state dict into ``state-chunk`` frames whose bodies stay within ``max_chunk_bytes``.
+
+    Tensors larger than a chunk travel as flat slices named ``"<name>#<start>"``. Yields at least
+    one frame, the last with ``last=True``. Frames are built lazily, so only the chunk being
+    written is referenced at a time (the tensors themselves are never copied on CPU).
+    """
+    if max_chunk_bytes <= 0:
+        raise ValueError("state_chunks: max_chunk_bytes must be positive")
+
+    def pieces():
+        for name, t in state.items():
+            t = t.detach()
+            if t.numel() * t.element_size() <= max_chunk_bytes:
+                yield name, t, None
+                continue
+            flat = t.contiguous().reshape(-1)
+            step = max(1, max_chunk_bytes // t.element_size())
+            for start in range(0, flat.numel(), step):
+                yield f"{name}#{start}", flat[start : start + step], (name, start, list(t.shape))
+
+    pending: list[tuple[str, torch.Tensor]] = []
+    parts: dict[str, tuple[str, int, list[int]]] = {}
+    used, seq = 0, 0
+    for wire_name, t, part in pieces():
+        nbytes = t.numel() * t.element_size()
+        if pending and used + nbytes > max_chunk_bytes:
+            yield make_state_chunk(run, manifest_hash, stage, version, seq, False, pending, parts)
+            pending, parts, used, seq = [], {}, 0, seq + 1
+        pending.append((wire_name, t))
+        if part is not None:
+            parts[wire_name] = part
+        used += nbytes
+    yield make_state_chunk(run, manifest_hash, stage, version, seq, True, pending, parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field checks (every failure is bad-frame naming the field)
+
+
+def _bad(detail: str) -> ProtocolError:
+    return ProtocolError(Reason.BAD_FRAME, detail)
+
+
+def _get_str(h: Mapping, key: str, maxlen: int = MAX_ID_LEN, optional: bool = False) -> str | None:
+    v = h.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= maxlen:
+        raise _bad(f"{h.get('type')} field {key!r} is {_short(v)}; need a non-empty str <= {maxlen} chars")
+    return v
+
+
+def _get_uint(h: Mapping, key: str, optional: bool = False, maximum: int = MAX_U64) -> int | None:
+    v = h.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= maximum:
+        raise _bad(f"{h.get('type')} field {key!r} is {_short(v)}; need an int in 0..{maximum}")
+    return v
+
+
+def _get_route(h: Mapping) -> tuple[str, ...]:
+    r = h.get("route")
+    if (
+        not isinstance(r, list)
+        or len(r) > MAX_ROUTE
+        or not all(isinstance(p, str) and 0 < len(p) <= MAX_ID_LEN for p in r)
+    ):
+        raise _bad(f"{h.get('type')} field 'route' must be a list of <= {MAX_ROUTE} peer-id strings")
+    return tuple(r)
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _check_type(frame: Frame, *types: str) -> Mapping:
+    if frame.header.get("type") not in types:
+        raise _bad(f"expected a {' or '.join(types)} frame, got {frame.header.get('type')!r}")
+    return frame.header
+
+
+def check_run(header: Mapping, run: str, manifest: str) -> None:
+    """``wrong-run`` unless the frame belongs to this run and this exact manifest."""
+    r, m = header.get("run"), header.get("manifest")
+    if r != run:
+        raise ProtocolError(Reason.WRONG_RUN, f"frame is for run {_short(r)}; this node serves run {run!r}")
+    if m != manifest:
+        raise ProtocolError(
+            Reason.WRONG_RUN,
+            f"manifest hash {_short(m)} differs from this node's {manifest!r}; "
+            "compare manifests with `swarm-node doctor` and rejoin with the run's manifest",
+        )
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """``bad-frame`` if any floating-point tensor holds NaN or +-Inf (see module docstring)."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise _bad(f"tensor {name!r} has non-finite values (NaN or Inf)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Expectations and validation of fwd / bwd
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Expected tensor: ``shape`` entries are exact ints or names of symbolic dims ("B", "L")
+    whose size may vary in 1..``Expect.dims[name]`` but must agree across the frame's tensors."""
+
+    shape: tuple[int | str, ...]
+    dtypes: tuple[str, ...]
+
+    def __post_init__(self):
+        unknown = set(self.dtypes) - set(DTYPES)
+        if unknown:
+            raise ValueError(f"TensorSpec.dtypes: unknown dtype(s) {sorted(unknown)}")
+
+
+@dataclass
+class Expect:
+    """What a receiver accepts on fwd or bwd. Mutable on purpose: set ``version`` to the
+    receiver's optimizer step as it trains (staleness is ``version - frame.version``)."""
+
+    run: str
+    manifest: str
+    stage: int  # the stage the SENDER must be: receiver - 1 for fwd, receiver + 1 for bwd
+    tensors: Mapping[str, TensorSpec]
+    dims: Mapping[str, int]  # max size of each symbolic dim
+    version: int = 0
+    max_version_lag: int | None = None
+    codec: str | None = None  # if set, the frame's codec must match
+    self_peer: str | None = None  # if set, a bwd's route must name this peer at stage - 1
+
+    @classmethod
+    def fwd(
+        cls, run: str, manifest: str, receiver_stage: int, k: int, max_batch: int, max_seq: int,
+        float_dtypes: Sequence[str] = FLOAT_DTYPES, index_dtypes: Sequence[str] = INDEX_DTYPES, **kw,
+    ) -> Expect:
+        """Expectation of a body/tail stage for incoming activations: c (B,L,k) and ids (B,L)."""
+        if receiver_stage < 1:
+            raise ValueError("Expect.fwd: stage 0 (the head) receives no fwd frames")
+        tensors = {"c": TensorSpec(("B", "L", k), tuple(float_dtypes)), "ids": TensorSpec(("B", "L"), tuple(index_dtypes))}
+        return cls(run, manifest, receiver_stage - 1, tensors, {"B": max_batch, "L": max_seq}, **kw)
+
+    @classmethod
+    def bwd(
+        cls, run: str, manifest: str, receiver_stage: int, k: int, max_batch: int, max_seq: int,
+        float_dtypes: Sequence[str] = FLOAT_DTYPES, **kw,
+    ) -> Expect:
+        """Expectation of a head/body stage for incoming gradients: grad (B,L,k)."""
+        tensors = {"grad": TensorSpec(("B", "L", k), tuple(float_dtypes))}
+        return cls(run, manifest, receiver_stage + 1, tensors, {"B": max_batch, "L": max_seq}, **kw)
+
+
+@dataclass(frozen=True)
+class Fwd:
+    mb: int
+    stage: int
+    version: int
+    route: tuple[str, ...]
+    codec: str
+    sent_ms: int
+    c: torch.Tensor
+    ids: torch.Tensor
+    header: Mapping = field(repr=False, default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bwd:
+    mb: int
+    stage: int
+    version: int
+    route: tuple[str, ...]
+    codec: str
+    sent_ms: int
+    grad: torch.Tensor | None  # None for a skip
+    skip: str | None = None  # reason code why upstream must drop this microbatch
+    detail: str = ""
+    header: Mapping = field(repr=False, default_factory=dict)
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], dims: Mapping[str, int]) -> dict:
+    """Names, dtypes and shapes against ``specs``; returns the sizes bound to symbolic dims."""
+    missing = [n for n in specs if n not in tensors]
+    extra = [n for n in tensors if n not in specs]
+    if missing or extra:
+        raise _bad(f"tensors {sorted(tensors)}: missing {missing}, unexpected {extra}; expected {list(specs)}")
+    bound: dict[str, int] = {}
+    for name, spec in specs.items():
+        t = tensors[name]
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in spec.dtypes:
+            raise _bad(f"tensor {name!r}: dtype {dtype} not accepted here; expected one of {list(spec.dtypes)}")
+        if t.dim() != len(spec.shape):
+            raise _bad(f"tensor {name!r}: shape {tuple(t.shape)} has {t.dim()} dims; expected {spec.shape}")
+        for size, want in zip(t.shape, spec.shape):
+            if isinstance(want, str):
+                if size > dims[want]:
+                    raise ProtocolError(
+                        Reason.TOO_LARGE, f"tensor {name!r}: dim {want}={size} exceeds this node's max {dims[want]}"
+                    )
+                if size < 1:
+                    raise _bad(f"tensor {name!r}: dim {want}={size}; must be >= 1")
+                if bound.setdefault(want, size) != size:
+                    raise _bad(f"tensor {name!r}: dim {want}={size} disagrees with {want}={bound[want]} elsewhere")
+            elif size != want:
+                raise _bad(f"tensor {name!r}: shape {tuple(t.shape)} does not match expected {spec.shape}")
+    return bound
+
+
+def _common(h: Mapping, expect: Expect) -> tuple:
+    check_run(h, expect.run, expect.manifest)
+    mb = _get_uint(h, "mb")
+    stage = _get_uint(h, "stage", maximum=MAX_ROUTE - 1)
+    version = _get_uint(h, "version")
+    route = _get_route(h)
+    codec = _get_str(h, "codec")
+    sent_ms = _get_uint(h, "sent_ms")
+    if stage != expect.stage:
+        raise ProtocolError(
+            Reason.WRONG_STAGE, f"{h['type']} from stage {stage}; this node takes {h['type']} from stage {expect.stage}"
+        )
+    if expect.codec is not None and codec != expect.codec:
+        raise _bad(f"codec {codec!r}; this run uses {expect.codec!r}")
+    if expect.max_version_lag is not None and expect.version - version > expect.max_version_lag:
+        raise ProtocolError(
+            Reason.STALE,
+            f"sender is at step {version}, this node at {expect.version}: "
+            f"lag {expect.version - version} > {expect.max_version_lag}",
+        )
+    return mb, stage, version, route, codec, sent_ms
+
+
+def validate_fwd(frame: Frame, expect: Expect, sender: str | None = None) -> Fwd:
+    """Check an incoming fwd frame; ``sender`` (the stream's remote peer id) must end the route."""
+    h = _check_type(frame, "fwd")
+    mb, stage, version, route, codec, sent_ms = _common(h, expect)
+    if len(route) != stage + 1:
+        raise _bad(f"fwd route has {len(route)} peers; a fwd from stage {stage} lists {stage + 1}")
+    if sender is not None and route[-1] != sender:
+        raise _bad(f"route ends with {route[-1]!r} but the frame came from {sender!r}")
+    check_tensors(frame.tensors, expect.tensors, expect.dims)
+    check_finite(frame.tensors)
+    return Fwd(mb, stage, version, route, codec, sent_ms, frame.tensors["c"], frame.tensors["ids"], h)
+
+
+def validate_bwd(frame: Frame, expect: Expect, sender: str | None = None) -> Bwd:
+    """Check an incoming bwd frame (a gradient or a skip)."""
+    h = _check_type(frame, "bwd")
+    mb, stage, version, route, codec, sent_ms = _common(h, expect)
+    if len(route) <= stage:
+        raise _bad(f"bwd route has {len(route)} peers; a bwd from stage {stage} needs > {stage}")
+    if sender is not None and route[stage] != sender:
+        raise _bad(f"route names {route[stage]!r} at stage {stage} but the frame came from {sender!r}")
+    if expect.self_peer is not None and route[stage - 1] != expect.self_peer:
+        raise _bad(f"this node is not on the microbatch's route (stage {stage - 1} is {route[stage - 1]!r})")
+    skip = h.get("skip")
+    if skip is not None:
+        skip = _get_str(h, "skip", maxlen=64)
+        if frame.tensors:
+            raise _bad("a bwd skip carries no tensors")
+        detail = h.get("detail", "")
+        return Bwd(mb, stage, version, route, codec, sent_ms, None, skip,
+                   detail[:MAX_DETAIL] if isinstance(detail, str) else "", h)
+    check_tensors(frame.tensors, expect.tensors, expect.dims)
+    check_finite(frame.tensors)
+    return Bwd(mb, stage, version, route, codec, sent_ms, frame.tensors["grad"], None, "", h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies, health
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A fwd/bwd reply as the sender sees it."""
+
+    ok: bool
+    mb: int | None = None
+    stage: int | None = None  # ack: receiver's stage
+    version: int | None = None  # ack: receiver's optimizer step
+    queue: int | None = None  # ack: receiver's queue depth
+    reason: Reason | None = None  # reject: known reason, or INTERNAL for a code this node doesn't know
+    reason_code: str | None = None  # reject: the code exactly as received
+    detail: str = ""
+    retry_ms: int | None = None
+    header: Mapping = field(repr=False, default_factory=dict)
+
+
+def parse_reply(frame: Frame) -> Reply:
+    """Read an ack or reject. An unknown reason code (from a newer peer) maps to ``internal``."""
+    h = _check_type(frame, "ack", "reject")
+    if frame.tensors:
+        raise _bad(f"a {h['type']} carries no tensors")
+    mb = _get_uint(h, "mb", optional=True)
+    if h["type"] == "ack":
+        return Reply(True, mb, _get_uint(h, "stage"), _get_uint(h, "version"),
+                     _get_uint(h, "queue", optional=True), header=h)
+    code = _get_str(h, "reason", maxlen=64)
+    detail = h.get("detail")
+    if not isinstance(detail, str):
+        raise _bad("reject field 'detail' must be a str")
+    try:
+        reason = Reason(code)
+    except ValueError:
+        reason = Reason.INTERNAL
+    return Reply(False, mb, reason=reason, reason_code=code, detail=detail[:MAX_DETAIL],
+                 retry_ms=_get_uint(h, "retry_ms", optional=True), header=h)
+
+
+def validate_health_request(frame: Frame) -> None:
+    _check_type(frame, "health-request")
+    if frame.tensors:
+        raise _bad("a health-request carries no tensors")
+
+
+def parse_health(frame: Frame) -> dict:
+    """The status map of a health reply (plus the peer's protocol version under ``"v"``)."""
+    h = _check_type(frame, "health")
+    status = h.get("status")
+    if not isinstance(status, dict):
+        raise _bad("health field 'status' must be a map")
+    return {**status, "v": h["v"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# State transfer
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    stage: int
+    max_chunk_bytes: int | None
+
+
+def validate_state_request(frame: Frame, run: str, manifest: str, stage: int) -> StateRequest:
+    """A replica of ``stage`` checks a joiner's request for its weights."""
+    h = _check_type(frame, "state-request")
+    check_run(h, run, manifest)
+    want = _get_uint(h, "stage", maximum=MAX_ROUTE - 1)
+    if want != stage:
+        raise ProtocolError(Reason.WRONG_STAGE, f"state of stage {want} requested; this node holds stage {stage}")
+    return StateRequest(want, _get_uint(h, "max_chunk_bytes", optional=True))
+
+
+class StateAssembler:
+    """Rebuild a state dict from ``state-chunk`` frames, checked against the joiner's own model.
+
+    ``expected`` maps every state name to a tensor of the right shape and dtype (the joiner's
+    freshly initialised ``state_dict()``, or meta tensors), so a peer can't make us allocate
+    anything our own model doesn't have. Whole tensors are kept as zero-copy views of the chunk
+    bodies; sliced ones are copied into one fresh tensor each.
+    """
+
+    def __init__(self, run: str, manifest: str, stage: int, expected: Mapping[str, torch.Tensor]):
+        self.run, self.manifest, self.stage = run, manifest, stage
+        self.expected = {k: (tuple(v.shape), v.dtype, v.numel()) for k, v in expected.items()}
+        self.version: int | None = None
+        self.done = False
+        self._seq = 0
+        self._out: dict[str, torch.Tensor] = {}
+        self._covered: dict[str, list[tuple[int, int]]] = {}
+
+    def add(self, frame: Frame) -> bool:
+        """Take the next chunk; returns True after the last one."""
+        h = _check_type(frame, "state-chunk")
+        if self.done:
+            raise _bad("state-chunk after the last chunk")
+        check_run(h, self.run, self.manifest)
+        if _get_uint(h, "stage", maximum=MAX_ROUTE - 1) != self.stage:
+            raise ProtocolError(Reason.WRONG_STAGE, f"state-chunk for stage {h['stage']}; expected stage {self.stage}")
+        version, seq = _get_uint(h, "version"), _get_uint(h, "seq")
+        last = h.get("last")
+        if not isinstance(last, bool):
+            raise _bad("state-chunk field 'last' must be a bool")
+        if seq != self._seq:
+            raise _bad(f"state-chunk seq {seq}; expected {self._seq}")
+        if self.version is None:
+            self.version = version
+        elif version != self.version:
+            raise _bad(f"state-chunk version {version} changed mid-transfer (was {self.version})")
+        parts = h.get("parts", {})
+        if not isinstance(parts, dict):
+            raise _bad("state-chunk field 'parts' must be a map")
+        for wire_name, t in frame.tensors.items():
+            if wire_name in parts:
+                self._add_part(wire_name, parts[wire_name], t)
+            else:
+                self._add_whole(wire_name, t)
+        self._seq += 1
+        if last:
+            missing = [k for k in self.expected if k not in self._out or self._incomplete(k)]
+            if missing:
+                raise _bad(f"state transfer ended without {missing[:8]}{'...' if len(missing) > 8 else ''}")
+            self.done = True
+        return self.done
+
+    def _spec(self, name, dtype) -> tuple:
+        if name not in self.expected:
+            raise _bad(f"state-chunk tensor {_short(name)} is not in this stage's state")
+        shape, want_dtype, numel = self.expected[name]
+        if dtype != want_dtype:
+            raise _bad(f"state tensor {name!r}: dtype {dtype}, expected {want_dtype}")
+        return shape, numel
+
+    def _add_whole(self, name: str, t: torch.Tensor):
+        shape, _ = self._spec(name, t.dtype)
+        if tuple(t.shape) != shape:
+            raise _bad(f"state tensor {name!r}: shape {tuple(t.shape)}, expected {shape}")
+        if name in self._out:
+            raise _bad(f"state tensor {name!r} sent twice")
+        self._out[name] = t
+
+    def _add_part(self, wire_name: str, part, t: torch.Tensor):
+        if not isinstance(part, dict):
+            raise _bad(f"parts[{wire_name!r}] must be a map")
+        name, start, full = part.get("of"), part.get("start"), part.get("shape")
+        if not isinstance(name, str):
+            raise _bad(f"parts[{wire_name!r}].of must be a str")
+        shape, numel = self._spec(name, t.dtype)
+        if full != list(shape) or t.dim() != 1:
+            raise _bad(f"state part {wire_name!r}: full shape {_short(full)} / dims {t.dim()} != {shape} / 1")
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or start + t.numel() > numel:
+            raise _bad(f"state part {wire_name!r}: start {_short(start)} + {t.numel()} outside 0..{numel}")
+        spans = self._covered.setdefault(name, [])
+        end = start + t.numel()
+        if any(s < end and start < e for s, e in spans):
+            raise _bad(f"state part {wire_name!r} overlaps an earlier part of {name!r}")
+        if name not in self._out:
+            self._out[name] = torch.empty(shape, dtype=t.dtype)
+        elif name not in self._covered or not spans:
+            raise _bad(f"state tensor {name!r} sent whole and in parts")
+        self._out[name].view(-1)[start:end] = t
+        spans.append((start, end))
+
+    def _incomplete(self, name: str) -> bool:
+        spans = self._covered.get(name)
+        return spans is not None and sum(e - s for s, e in spans) != self.expected[name][2]
+
+    def result(self) -> dict[str, torch.Tensor]:
+        if not self.done:
+            raise _bad("state transfer is not complete")
+        return {k: self._out[k] for k in self.expected}
