@@ -1,0 +1,284 @@
+"""Persistent libp2p identities: ``swarm-node keygen PATH`` and the checks a node runs on its key.
+
+A node's peer id is the hash of its public key, so a node that restarts with the same key file
+keeps its peer id (its DHT records, reputation and routes stay valid). The file is what
+go-libp2p's daemon reads with ``p2pd -id FILE``: the libp2p ``PrivateKey`` protobuf
+(``KeyType`` field 1, key bytes field 2). We write Ed25519 keys (64 bytes: seed then public key),
+which every libp2p implementation supports and whose peer ids (``12D3KooW...``) embed the public
+key; RSA keys written by hivemind (DER PKCS#1 inside the same protobuf) are accepted too.
+
+A key file is a secret: a node refuses one that group or others can read or write, and refuses
+an identity that is already online (two daemons with one peer id break routing for both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from node.cli import CliError
+
+KEY_RSA, KEY_ED25519 = 0, 1
+_ED25519_PRIVATE_LEN = 64  # seed (32) + public key (32), the libp2p encoding
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        b = data[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, pos
+
+
+def _key_message(key_type: int, data: bytes) -> bytes:
+    """The libp2p ``PrivateKey``/``PublicKey`` protobuf: field 1 varint, field 2 bytes."""
+    return b"\x08" + _varint(key_type) + b"\x12" + _varint(len(data)) + data
+
+
+def _parse_key_message(blob: bytes) -> tuple[int, bytes]:
+    fields: dict[int, int | bytes] = {}
+    pos = 0
+    while pos < len(blob):
+        tag, pos = _read_varint(blob, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            fields[number], pos = _read_varint(blob, pos)
+        elif wire == 2:
+            n, pos = _read_varint(blob, pos)
+            if pos + n > len(blob):
+                raise ValueError("truncated field")
+            fields[number], pos = blob[pos : pos + n], pos + n
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire}")
+    key_type, data = fields.get(1), fields.get(2)
+    if not isinstance(key_type, int) or not isinstance(data, bytes):
+        raise ValueError("missing key type or key data")
+    return key_type, data
+
+
+def _b58encode(raw: bytes) -> str:
+    n = int.from_bytes(raw, "big")
+    out = []
+    while n:
+        n, r = divmod(n, 58)
+        out.append(_B58[r])
+    pad = len(raw) - len(raw.lstrip(b"\0"))
+    return "1" * pad + "".join(reversed(out))
+
+
+def _peer_id_from_public(key_type: int, public: bytes) -> str:
+    """libp2p peer id: the protobuf-encoded public key as an identity multihash if it is at most
+    42 bytes (Ed25519), else its sha2-256 multihash (RSA)."""
+    encoded = _key_message(key_type, public)
+    if len(encoded) <= 42:
+        mh = b"\x00" + _varint(len(encoded)) + encoded
+    else:
+        mh = b"\x12\x20" + hashlib.sha256(encoded).digest()
+    return _b58encode(mh)
+
+
+def new_ed25519_key() -> bytes:
+    """A fresh Ed25519 identity in the libp2p private-key file format."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    raw = serialization.Encoding.Raw
+    seed = key.private_bytes(raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+    public = key.public_key().public_bytes(raw, serialization.PublicFormat.Raw)
+    return _key_message(KEY_ED25519, seed + public)
+
+
+def peer_id_from_key(blob: bytes) -> str:
+    """Peer id (base58) of a private key in the libp2p file format; ``ValueError`` if it is not one."""
+    try:
+        key_type, data = _parse_key_message(blob)
+    except ValueError as e:
+        raise ValueError(f"not a libp2p private key ({e})") from None
+    if key_type == KEY_ED25519:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        if len(data) not in (_ED25519_PRIVATE_LEN, 96):  # 96: old go-libp2p with a redundant copy
+            raise ValueError(f"Ed25519 key data is {len(data)} bytes, expected 64")
+        seed, public = data[:32], data[32:64]
+        derived = Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        if derived != public:
+            raise ValueError("Ed25519 key: the public half does not match the seed (corrupted file)")
+        return _peer_id_from_public(KEY_ED25519, public)
+    if key_type == KEY_RSA:
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            key = serialization.load_der_private_key(data, password=None)
+            public = key.public_key().public_bytes(
+                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        except Exception as e:
+            raise ValueError(f"RSA key data does not parse: {e}") from None
+        return _peer_id_from_public(KEY_RSA, public)
+    raise ValueError(f"key type {key_type} is not supported (Ed25519 or RSA)")
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def write_identity(path: str | os.PathLike, *, force: bool = False) -> str:
+    """Write a new Ed25519 identity to ``path`` with mode 0600 and return its peer id.
+
+    Refuses to replace an existing file unless ``force``; the file appears atomically (a crash
+    never leaves a half-written key) and is never readable by others, not even briefly.
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise CliError(f"{path} already exists; keep it (it is this node's peer id) or pass --force to replace it")
+    if not path.parent.is_dir():
+        raise CliError(f"directory {path.parent} does not exist; create it first (mkdir -p {path.parent})")
+    blob = new_ed25519_key()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return peer_id_from_key(blob)
+
+
+def _unlink_quietly(p: str) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def check_identity(path: str | os.PathLike) -> str:
+    """Check an identity file before a node uses it; return its peer id.
+
+    Raises ``CliError`` (one line with the fix) if the file is missing, is not a regular file,
+    can be read or written by group/others, or is not a libp2p private key.
+    """
+    path = Path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CliError(f"identity file {path} does not exist; create it with: swarm-node keygen {path}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CliError(f"identity {path} is not a regular file")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise CliError(
+            f"identity file {path} is accessible by group/others (mode {mode:04o}); "
+            f"it is a private key: run chmod 600 {path}"
+        )
+    try:
+        return peer_id_from_key(path.read_bytes())
+    except PermissionError:
+        raise CliError(f"cannot read identity file {path}: permission denied") from None
+    except ValueError as e:
+        raise CliError(f"{path} is not a usable identity: {e}; write one with: swarm-node keygen PATH") from None
+
+
+def peer_id_from_identity(path: str | os.PathLike) -> str:
+    """Peer id of the identity in ``path`` (checked like :func:`check_identity`)."""
+    return check_identity(path)
+
+
+load_identity = check_identity
+
+
+# ----------------------------------------------------------------------------- online check
+
+
+async def identity_in_use(p2p_or_transport, peer_id: str, maddrs=(), *, timeout: float = 5.0) -> bool:
+    """Whether a peer with ``peer_id`` is online: try to dial it through ``p2p_or_transport``.
+
+    ``maddrs`` are addresses to try (e.g. where this identity was last seen); with none, the
+    daemon looks the peer up in the libp2p DHT it bootstrapped from its initial peers. Call it
+    from a daemon that does *not* use this identity (e.g. ``anonymous_identity_in_use``).
+    A dial that fails or takes longer than ``timeout`` seconds means "not in use".
+    """
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+    from hivemind.utils.multiaddr import Multiaddr
+
+    p2p = getattr(p2p_or_transport, "p2p", p2p_or_transport)
+    if p2p.peer_id.to_base58() == peer_id:
+        raise ValueError("identity_in_use must dial from a daemon with a different peer id")
+    addrs = []
+    for m in maddrs:
+        ma = Multiaddr(str(m))
+        if "p2p" in [p.name for p in ma.protocols()]:
+            if ma.value_for_protocol("p2p") != peer_id:
+                continue
+            ma = ma.decapsulate(Multiaddr(f"/p2p/{peer_id}"))
+        addrs.append(ma)
+    try:
+        async with asyncio.timeout(timeout):
+            await p2p._client.connect(PeerID.from_base58(peer_id), addrs)
+    except (P2PDaemonError, TimeoutError, ConnectionError, OSError):
+        return False
+    return True
+
+
+async def anonymous_identity_in_use(
+    identity_path: str | os.PathLike, initial_peers, *, timeout: float = 5.0, **start_kwargs
+) -> bool:
+    """Start a throwaway daemon with a random identity, bootstrapped from ``initial_peers``, and
+    ask :func:`identity_in_use` about the peer id of ``identity_path``. For ``swarm-node run``
+    before it starts its own daemon with that identity."""
+    from node.p2p import Transport
+
+    peer_id = check_identity(identity_path)
+    if not initial_peers:
+        return False  # a first node of a swarm has nobody to collide with
+    transport = await Transport.start(initial_peers=list(initial_peers), **start_kwargs)
+    try:
+        return await identity_in_use(transport, peer_id, (), timeout=timeout)
+    finally:
+        await transport.close()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("path", metavar="PATH", help="where to write the private key (created with mode 0600)")
+    parser.add_argument("--force", action="store_true", help="replace an existing key (the peer id changes)")
+
+
+def main(args) -> int:
+    peer_id = write_identity(args.path, force=args.force)
+    print(f"wrote {args.path} (mode 0600)")
+    print(f"peer id: {peer_id}")
+    return 0
