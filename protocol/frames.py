@@ -148,6 +148,7 @@ class Frame:
     header: dict
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     wire_bytes: int = 0  # prefix + header + body as received
+    body: bytearray | memoryview | None = field(default=None, repr=False)  # what the tensors view
 
     @property
     def type(self) -> str:
@@ -187,7 +188,7 @@ class FrameHead:
             else:
                 body = mv.cast("B")
         tensors = {e.name: _view(body, e) for e in self.entries}
-        return Frame(self.header, tensors, PREFIX_LEN + self.header_len + self.body_len)
+        return Frame(self.header, tensors, PREFIX_LEN + self.header_len + self.body_len, body)
 
 
 def _view(body, e: TensorEntry) -> torch.Tensor:
