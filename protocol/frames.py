@@ -341,7 +341,7 @@ def parse_header(data: bytes | bytearray | memoryview, limits: Limits | None = N
             raise ProtocolError(Reason.BAD_FRAME, f"tensors[{i}].name must be a non-empty str <= {MAX_NAME_LEN}")
         if name in names:
             raise ProtocolError(Reason.BAD_FRAME, f"tensor name {name!r} appears twice")
-        if dtype not in limits.dtypes:
+        if not isinstance(dtype, str) or dtype not in limits.dtypes:
             raise ProtocolError(
                 Reason.BAD_FRAME, f"tensor {name!r}: dtype {dtype!r} not allowed; allowed: {sorted(limits.dtypes)}"
             )
