@@ -24,8 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class CliError(Exception):
-    """An operator mistake: printed as one line `swarm-node: error: ...`, exit status 2."""
+from node.errors import CliError  # noqa: E402,F401 - re-exported: `from node.cli import CliError`
 
 
 def build_parser() -> argparse.ArgumentParser:

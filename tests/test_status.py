@@ -1,0 +1,45 @@
+"""`swarm-node status` reads what a node's metrics endpoint really exports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from node.metrics import NodeMetrics
+from node.status import format_status, status_from_metrics
+
+
+def _metrics_text() -> str:
+    m = NodeMetrics(stage=2, run="swarm-test")
+    m.set_stage(2, "swarm-test", role="tail")
+    m.set_state("online")
+    m.steps.inc(7)
+    m.version.set(7)
+    m.loss.set(3.25)
+    m.loss_ema.set(3.5)
+    m.tokens_per_s.set(1234.5)
+    m.peers.labels(stage="0").set(1)
+    m.peers.labels(stage="1").set(2)
+    m.peers.labels(stage="2").set(1)
+    return m.render().decode()
+
+
+def test_status_from_real_metrics():
+    st = status_from_metrics(_metrics_text())
+    assert st["run"] == "swarm-test"
+    assert st["stage"] == 2
+    assert st["state"] == "online"
+    assert st["steps"] == 7 and st["version"] == 7
+    assert st["loss"] == 3.25
+    assert st["tokens_per_s"] == 1234.5
+    assert st["peers_per_stage"] == {"0": 1, "1": 2, "2": 1}
+    text = format_status(st)
+    assert "state        online" in text and "stage 1: 2" in text
+
+
+def test_status_cli_unreachable_gives_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "node.cli", "status", "127.0.0.1:1", "--timeout", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot read http://127.0.0.1:1/metrics" in lines[0]
