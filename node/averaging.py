@@ -1,0 +1,293 @@
+"""Sparse background averaging between the replicas of one stage (AsyncMesh data axis).
+
+Every ``avg_every`` local steps a replica snapshots the current partition S of its parameters
+(``stages.asyncmesh.PartitionSchedule``: a fraction p of all elements, a different slice each
+round) and hands it to hivemind's ``DecentralizedAverager``, which finds the other replicas of
+the stage through the DHT (matchmaking under one key per stage) and all-reduces the slice. The
+training loop never waits: ``maybe_average`` only starts a round when one is due and none is in
+flight, and applies a finished round as a delta against its snapshot,
+``θ[S] += λ·(avg − θ^snap[S])``, so the steps taken while the round ran are kept.
+
+A round that fails or times out is dropped (the next one is H steps later); a replica whose
+``peers_fn`` says it is alone does not even start one. Replicas agree on which slice a round
+averages through hivemind's gather: each sends its round number, and a group whose numbers
+differ throws the result away and continues from the largest number (one wasted round after a
+desynchronisation, never a wrong average).
+
+hivemind constraints handled here: the averager is a child process (fork) that must be started
+from the main thread (it sets a SIGINT handler; we restore the caller's afterwards); the
+averaged buffer is shared memory updated in place under the averager's lock; hivemind calls
+that wait on its process run on one worker thread, never on the caller's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from stages.asyncmesh import PartitionSchedule, StalenessCorrection, apply_average_delta, snapshot
+
+log = logging.getLogger("swarm.averaging")
+
+
+def averaging_prefix(run_id: str, stage: int) -> str:
+    """The matchmaking key of a stage's replicas; hivemind forbids '.' in it."""
+    return f"{run_id.replace('.', '_')}_stage{stage}_avg"
+
+
+@dataclass
+class AveragingStats:
+    """Counters for metrics. Bytes are all-reduce payload bytes (float32 slice), computed from
+    hivemind's butterfly schedule with an equal split: each of g peers sends and receives
+    2·(g−1)/g of the buffer per round; framing overhead is not included."""
+
+    rounds_started: int = 0
+    rounds_applied: int = 0
+    rounds_failed: int = 0
+    rounds_mismatched: int = 0
+    skipped_alone: int = 0
+    skipped_busy: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_group_size: int = 0
+    last_lambda: float = 1.0
+    last_elapsed_steps: int = 0
+    last_delta_norm: float = 0.0
+    last_round_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Round:
+    number: int
+    start_step: int
+    indices: list[torch.Tensor]
+    snap: torch.Tensor
+    started: float
+    future: concurrent.futures.Future | None = None
+    control: object = None  # hivemind StepControl, set by the worker; close() cancels it
+
+
+class ReplicaAverager:
+    """Background sparse averaging of ``params`` with the other replicas of one stage.
+
+    Wiring in the stage runtime::
+
+        avg = ReplicaAverager(dht, [p for _, p in stage.named_parameters()],
+                              prefix=averaging_prefix(m.run.id, stage_index), fraction=m.asyncmesh.avg_fraction,
+                              every=m.asyncmesh.avg_every, seed=m.run.seed + stage_index,
+                              correction=m.asyncmesh.avg_correction, timeout=m.asyncmesh.avg_timeout_s)
+        avg.start()                       # main thread, once
+        ...  after each optimizer step:   avg.maybe_average(local_step)
+        avg.close()
+
+    ``maybe_average`` mutates ``params`` in place (when a round finished), so call it between
+    optimizer steps, never during a backward. ``peers_fn`` (optional) returns how many replicas
+    of this stage are online, this one included; with fewer than two no round starts.
+    """
+
+    def __init__(
+        self,
+        dht,
+        params: Sequence[torch.Tensor],
+        *,
+        prefix: str,
+        fraction: float,
+        every: int,
+        seed: int,
+        correction: bool = True,
+        timeout: float = 30.0,
+        min_matchmaking_time: float = 2.0,
+        request_timeout: float = 1.0,
+        target_group_size: int | None = None,
+        peers_fn: Callable[[], int] | None = None,
+        max_round_bytes: int = 256 << 20,
+    ):
+        if every < 1:
+            raise ValueError(f"avg_every must be >= 1, got {every}")
+        if timeout <= min_matchmaking_time:
+            raise ValueError(
+                f"averaging timeout {timeout}s must exceed min_matchmaking_time {min_matchmaking_time}s"
+            )
+        self.params = list(params)
+        self.schedule = PartitionSchedule([p.shape for p in self.params], fraction, seed)
+        buffer_bytes = 4 * self.schedule.max_size
+        if buffer_bytes > max_round_bytes:
+            raise ValueError(
+                f"one averaging round would send {buffer_bytes} bytes (> {max_round_bytes}); "
+                "lower asyncmesh.avg_fraction"
+            )
+        self.dht, self.prefix, self.every, self.timeout = dht, prefix, every, timeout
+        self.correction = StalenessCorrection(correction, self.schedule.n_partitions, every)
+        self.peers_fn = peers_fn
+        self.stats = AveragingStats()
+        self._buffer = torch.zeros(self.schedule.max_size, dtype=torch.float32)
+        self._averager_kwargs = dict(
+            prefix=prefix,
+            min_group_size=2,
+            target_group_size=target_group_size,
+            min_matchmaking_time=min_matchmaking_time,
+            request_timeout=min(request_timeout, min_matchmaking_time / 2),
+            allreduce_timeout=timeout,
+            next_chunk_timeout=timeout,
+            allow_state_sharing=False,
+            shutdown_timeout=5,
+        )
+        self._averager = None
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._round: _Round | None = None
+        self._next_round = 0
+        self._next_due: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start hivemind's averager process (blocks until it is ready; main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("ReplicaAverager.start() must run on the main thread (hivemind forks and sets signals)")
+        from hivemind.averaging import DecentralizedAverager
+
+        previous = signal.getsignal(signal.SIGINT)
+        averager = DecentralizedAverager([self._buffer], self.dht, start=False, **self._averager_kwargs)
+        try:
+            averager.run_in_background(await_ready=True, timeout=max(30.0, self.timeout))
+        finally:
+            signal.signal(signal.SIGINT, previous)  # hivemind leaves SIGINT ignored in the parent
+        self._averager = averager
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="averaging")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the averager process; an unfinished round is dropped. Idempotent."""
+        worker, self._worker = self._worker, None
+        averager, self._averager = self._averager, None
+        rnd, self._round = self._round, None
+        if rnd is not None and not rnd.future.done():
+            control = rnd.control
+            if control is not None and not control.done():
+                try:
+                    control.cancel()
+                except Exception:  # noqa: BLE001 - best effort while closing
+                    pass
+            try:
+                rnd.future.result(timeout=timeout)
+            except Exception:  # noqa: BLE001
+                pass
+        if worker is not None:
+            worker.shutdown(wait=False, cancel_futures=True)
+        if averager is not None and averager.is_alive():
+            averager.shutdown()
+            averager.join(timeout)
+            if averager.is_alive():
+                averager.terminate()
+                averager.join(timeout)
+
+    def __enter__(self) -> ReplicaAverager:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def round_in_flight(self) -> bool:
+        return self._round is not None
+
+    # ------------------------------------------------------------------ the training-loop hook
+
+    def maybe_average(self, local_step: int, params: Sequence[torch.Tensor] | None = None) -> bool:
+        """Non-blocking: apply a finished round (returns True), start a round when one is due."""
+        if self._averager is None:
+            raise RuntimeError("ReplicaAverager.maybe_average before start() (or after close())")
+        if params is not None:
+            params = list(params)
+            if [p.shape for p in params] != [p.shape for p in self.params]:
+                raise ValueError("maybe_average: parameter shapes differ from the ones averaging was set up for")
+            self.params = params
+        applied = False
+        if self._round is not None and self._round.future.done():
+            applied = self._finish(local_step)
+        if self._next_due is None:
+            self._next_due = local_step + self.every
+        elif local_step >= self._next_due:
+            self._next_due = local_step + self.every
+            if self._round is not None:
+                self.stats.skipped_busy += 1
+            elif self.peers_fn is not None and self.peers_fn() < 2:
+                self.stats.skipped_alone += 1
+            else:
+                self._begin(local_step)
+        return applied
+
+    def _begin(self, local_step: int) -> None:
+        number = self._next_round
+        self._next_round += 1
+        indices = self.schedule.indices(number)
+        snap = snapshot(self.params, indices)
+        rnd = _Round(number, local_step, indices, snap, time.monotonic())
+        rnd.future = self._worker.submit(self._run_round, rnd)
+        self._round = rnd
+        self.stats.rounds_started += 1
+
+    def _finish(self, local_step: int) -> bool:
+        rnd, self._round = self._round, None
+        self.stats.last_round_seconds = time.monotonic() - rnd.started
+        try:
+            averaged, rounds = rnd.future.result()
+        except Exception as e:  # noqa: BLE001 - any failure of a round only skips it
+            self.stats.rounds_failed += 1
+            log.info("averaging round %d failed (skipped): %s", rnd.number, str(e).strip()[:200] or type(e).__name__)
+            return False
+        g = len(rounds)
+        self.stats.last_group_size = g
+        payload = 4 * self._buffer.numel() * 2 * (g - 1) // max(g, 1)
+        self.stats.bytes_sent += payload
+        self.stats.bytes_received += payload
+        if any(r != rnd.number for r in rounds):
+            self.stats.rounds_mismatched += 1
+            self._next_round = max(max(rounds), self._next_round - 1) + 1
+            log.info("averaging round numbers disagree %s; resynchronising at %d", sorted(rounds), self._next_round)
+            return False
+        elapsed = local_step - rnd.start_step
+        lam = self.correction.lam(elapsed)
+        try:
+            norm = apply_average_delta(self.params, rnd.indices, rnd.snap, averaged, lam)
+        except ValueError as e:
+            self.stats.rounds_failed += 1
+            log.warning("averaging round %d rejected: %s", rnd.number, e)
+            return False
+        self.stats.rounds_applied += 1
+        self.stats.last_lambda, self.stats.last_elapsed_steps, self.stats.last_delta_norm = lam, elapsed, norm
+        return True
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _run_round(self, rnd: _Round) -> tuple[torch.Tensor, list[int]]:
+        averager = self._averager
+        if averager is None:
+            raise RuntimeError("closed")
+        n = rnd.snap.numel()
+        with averager.get_tensors() as (buf,):
+            buf.zero_()
+            buf[:n].copy_(rnd.snap)
+        rnd.control = averager.step(gather={"round": rnd.number}, timeout=self.timeout, wait=False)
+        gathered = rnd.control.result(timeout=2 * self.timeout + 5)
+        if not gathered:
+            raise RuntimeError("no group")
+        rounds = []
+        for info in gathered.values():
+            r = info.get("round") if isinstance(info, dict) else None
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < 2**62:
+                raise RuntimeError(f"bad round number from a peer: {info!r}")
+            rounds.append(r)
+        with averager.get_tensors() as (buf,):
+            averaged = buf[:n].clone()
+        return averaged, rounds

@@ -1,0 +1,524 @@
+"""AsyncMesh (papers.md §2): the maths of asynchronous pipeline and data parallelism.
+
+Pipeline axis. A stage applies each gradient when it arrives, so a microbatch's gradient was
+computed on weights that are τ optimizer steps old. ``DelayTracker`` measures τ and keeps an
+EMA τ̂; ``lookahead_params`` extrapolates the weights along the optimizer's current update
+direction, ``Ŵ = W − τ̂·η·m̂``, so the gradient is taken where the weights will be when it is
+applied. ``LookaheadForward`` runs a stage's forward on Ŵ and its backward (a recomputed
+forward, only the stage input being stored) on bitwise the same Ŵ, and accumulates the gradient
+w.r.t. Ŵ into W's ``.grad``. ``StepPolicy`` tells the runtime when to step and, for the
+synchronous GPipe baseline, when the head may inject the next microbatch.
+
+Data-parallel axis. Replicas of a stage average a rotating fraction p of their parameter
+elements every H local steps. ``PartitionSchedule`` is a seeded bijection of all elements cut
+into ⌈1/p⌉ partitions; round r averages partition r mod ⌈1/p⌉. The average is applied as a
+delta against the snapshot taken when the round started (``apply_average_delta``), so local
+progress made while the round ran is kept, scaled by λ from ``StalenessCorrection``.
+
+Pure torch: no I/O here; node/averaging.py moves the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+
+MODES = ("lookahead", "none", "gpipe")
+
+
+# --------------------------------------------------------------------------- delays
+
+
+class DelayTracker:
+    """Measured delay τ (own optimizer steps between a microbatch's forward and its gradient).
+
+    ``tau_hat`` is an EMA of the measured delays (the first measurement seeds it, so there is no
+    bias toward ``initial``); ``histogram`` counts delays, clamped at ``max_bucket``, for metrics.
+    """
+
+    def __init__(self, ema: float = 0.9, initial: float = 0.0, max_bucket: int = 64):
+        if not 0 <= ema < 1:
+            raise ValueError(f"delay EMA must be in [0, 1), got {ema}")
+        if initial < 0:
+            raise ValueError(f"initial delay must be >= 0, got {initial}")
+        self.ema = ema
+        self.tau_hat = float(initial)
+        self.count = 0
+        self.last = 0
+        self.rolled_back = 0
+        self.max_bucket = max_bucket
+        self.histogram: Counter[int] = Counter()
+
+    def record(self, forward_version: int, now_version: int) -> int:
+        """Record one delay; a negative one (the version was rolled back by a state reload while
+        the microbatch was in flight) counts as 0 in ``rolled_back`` rather than failing a step."""
+        tau = now_version - forward_version
+        if tau < 0:
+            self.rolled_back += 1
+            tau = 0
+        self.tau_hat = float(tau) if self.count == 0 else self.ema * self.tau_hat + (1 - self.ema) * tau
+        self.count += 1
+        self.last = tau
+        self.histogram[min(tau, self.max_bucket)] += 1
+        return tau
+
+
+# --------------------------------------------------------------------------- look-ahead
+
+
+def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
+    """The optimizer's current per-unit-lr update direction m̂ for ``param`` (None: no state yet).
+
+    The next step moves ``param`` by about ``-lr · m̂``. An optimizer may define its own
+    ``update_direction(param)`` (Muon / NuMuon in stages/optim.py); otherwise:
+
+    - Adam, AdamW, NAdam: ``m̂/(√v̂ + eps)`` with the bias corrections ``1 − β^t`` (for NAdam we use
+      the same ``1 − β1^t`` correction, not its momentum-decay product: the direction of travel
+      is what matters, and it differs only in the first few hundred steps), plus ``wd · W`` when
+      weight decay is decoupled (AdamW, NAdam with ``decoupled_weight_decay``).
+    - SGD with momentum: the momentum buffer (plain and Nesterov steps both average to it);
+      plain SGD has no direction without a fresh gradient (None).
+    """
+    custom = getattr(optimizer, "update_direction", None)
+    if callable(custom):
+        return custom(param)
+    state = optimizer.state.get(param)
+    if not state:
+        return None
+    group = _group_of(optimizer, param)
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam)):
+        if "exp_avg" not in state:
+            return None
+        step = float(state["step"])
+        if step <= 0:
+            return None
+        beta1, beta2 = group["betas"]
+        v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state["exp_avg_sq"]
+        m_hat = state["exp_avg"] / (1 - beta1**step)
+        v_hat = v / (1 - beta2**step)
+        direction = m_hat / (v_hat.sqrt() + group["eps"])
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+        if decoupled and group.get("weight_decay", 0.0):
+            direction = direction + group["weight_decay"] * param.detach()
+        return direction
+    if isinstance(optimizer, torch.optim.SGD):
+        buf = state.get("momentum_buffer")
+        return None if buf is None else buf.clone()
+    raise NotImplementedError(
+        f"look-ahead does not know the update direction of {type(optimizer).__name__}; give it an "
+        "update_direction(param) method or run with asyncmesh.mode = 'none'"
+    )
+
+
+def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
+    for g in optimizer.param_groups:
+        if any(p is param for p in g["params"]):
+            return g
+    raise KeyError("parameter is not in the optimizer")
+
+
+def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def lookahead_params(
+    module: nn.Module, optimizer: torch.optim.Optimizer, tau_hat: float, lr: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Ŵ = W − τ̂·η·m̂ for every trainable parameter, as fresh tensors (a stable snapshot).
+
+    ``lr`` None takes each parameter's group lr (so per-group lr scales are respected). A
+    parameter without optimizer state yet, or τ̂ = 0, gets Ŵ = W (copied).
+    """
+    if tau_hat < 0:
+        raise ValueError(f"tau_hat must be >= 0, got {tau_hat}")
+    out = {}
+    for name, p in _trainable(module).items():
+        d = update_direction(optimizer, p) if tau_hat > 0 else None
+        if d is None:
+            out[name] = p.detach().clone()
+        else:
+            eta = _group_of(optimizer, p)["lr"] if lr is None else lr
+            out[name] = p.detach() - (tau_hat * eta) * d.to(p.dtype)
+    return out
+
+
+@dataclass(eq=False)
+class StageWeights:
+    """The weights one microbatch was forwarded with; keep it in the microbatch context.
+
+    ``tensors`` None means the live parameters (GPipe: nothing steps while a microbatch is in
+    flight, so nothing needs storing). Otherwise a snapshot shared by every microbatch forwarded
+    at this ``version``: memory is one copy of the stage's trainable parameters per optimizer
+    version still in flight (≤ max_inflight copies).
+    """
+
+    version: int
+    tau_hat: float
+    tensors: dict[str, torch.Tensor] | None
+
+
+class Backward(NamedTuple):
+    input_grads: tuple[torch.Tensor | None, ...]  # one per input; None for ids / non-float inputs
+    loss: torch.Tensor | None  # detached loss when a loss_fn was given (the tail)
+    delay: int  # measured τ for this microbatch
+
+
+class LookaheadForward:
+    """Forward on Ŵ, recompute-backward on the same Ŵ, gradient accumulated into W.
+
+    Runtime wiring, per stage::
+
+        la = LookaheadForward(stage, optimizer, mode=m.asyncmesh.mode, delay_ema=m.asyncmesh.delay_ema)
+        # forward of microbatch j (store only its inputs and `w`)
+        w = la.weights(); out = la.forward(w, x, ids)
+        # when its gradient arrives
+        grads = la.backward(w, (x, ids), grad_out).input_grads   # adds to p.grad
+        # after optimizer.step()
+        la.stepped()
+
+    ``version`` counts this stage's optimizer steps; τ = version at backward − version at
+    forward. Modes: ``lookahead`` (Ŵ extrapolated by τ̂), ``none`` (Ŵ = a stashed copy of W:
+    plain asynchronous, still a consistent recompute), ``gpipe`` (live W; stepping while a
+    microbatch is in flight is a runtime bug and raises).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        mode: str = "lookahead",
+        delay_ema: float = 0.9,
+        initial_delay: float = 0.0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"asyncmesh mode must be one of {MODES}, got {mode!r}")
+        self.module, self.optimizer, self.mode = module, optimizer, mode
+        self.delays = DelayTracker(delay_ema, initial_delay)
+        self.version = 0
+        self._cached: StageWeights | None = None
+        if mode == "lookahead":  # fail at start-up, not at the first look-ahead
+            p = next(iter(_trainable(module).values()), None)
+            if p is not None:
+                update_direction(optimizer, p)
+
+    def weights(self) -> StageWeights:
+        """The weights to forward the next microbatch with (computed once per optimizer version)."""
+        if self._cached is None or self._cached.version != self.version:
+            tau = self.delays.tau_hat if self.mode == "lookahead" else 0.0
+            if self.mode == "gpipe":
+                tensors = None
+            elif self.mode == "none":
+                tensors = {n: p.detach().clone() for n, p in _trainable(self.module).items()}
+            else:
+                tensors = lookahead_params(self.module, self.optimizer, tau)
+            self._cached = StageWeights(self.version, tau, tensors)
+        return self._cached
+
+    def _call(self, weights: StageWeights, inputs: Sequence, params: dict | None):
+        if params is None:
+            return self.module(*inputs)
+        return functional_call(self.module, params, tuple(inputs), strict=False)
+
+    def forward(self, weights: StageWeights, *inputs):
+        """The stage output for ``inputs`` on ``weights``, without a graph (backward recomputes)."""
+        with torch.no_grad():
+            return self._call(weights, inputs, weights.tensors)
+
+    def backward(
+        self,
+        weights: StageWeights,
+        inputs: Sequence,
+        grad_output: torch.Tensor | None = None,
+        loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Backward:
+        """Recompute the forward on ``weights`` and backpropagate ``grad_output`` (or ``loss_fn``).
+
+        The gradient w.r.t. Ŵ is added to W's ``.grad``; returns the gradients w.r.t. the float
+        inputs (what goes upstream) and records the delay.
+        """
+        if (grad_output is None) == (loss_fn is None):
+            raise ValueError("give exactly one of grad_output (inner stage) or loss_fn (tail)")
+        live = _trainable(self.module)
+        if weights.tensors is None:
+            if weights.version != self.version:
+                raise RuntimeError(
+                    f"gpipe: the optimizer stepped (version {self.version}) while a microbatch forwarded "
+                    f"at version {weights.version} was in flight; the flush policy was not respected"
+                )
+            leaves = dict(live)
+        else:
+            leaves = {n: t.detach().requires_grad_(True) for n, t in weights.tensors.items()}
+        xs = [
+            x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs
+        ]
+        with torch.enable_grad():
+            out = self._call(weights, xs, None if weights.tensors is None else leaves)
+            loss = loss_fn(out) if loss_fn is not None else None
+            target, seed = (loss, None) if loss is not None else (out, grad_output)
+            wrt_x = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+            names = list(leaves)
+            grads = torch.autograd.grad(
+                target, [leaves[n] for n in names] + wrt_x, seed, allow_unused=True
+            )
+        for name, g in zip(names, grads[: len(names)]):
+            if g is None:
+                continue
+            p = live[name]
+            if p.grad is None:
+                p.grad = g.to(p.dtype)
+            else:
+                p.grad.add_(g)
+        gx = iter(grads[len(names):])
+        input_grads = tuple(
+            next(gx) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs
+        )
+        delay = self.delays.record(weights.version, self.version)
+        return Backward(input_grads, None if loss is None else loss.detach(), delay)
+
+    def stepped(self) -> None:
+        """Call after every ``optimizer.step()`` of this stage."""
+        self.version += 1
+
+
+@dataclass
+class StepPolicy:
+    """When a stage steps its optimizer, and when the head may start a new microbatch.
+
+    Async modes (``lookahead``, ``none``): step after every ``grad_accum`` backward passes; the
+    head keeps up to ``max_inflight`` microbatches in flight. ``gpipe``: the head injects
+    ``flush_every`` microbatches, then waits; every stage steps after its ``flush_every``-th
+    backward of the group (the head's is the last, which opens the next group). A dropped
+    microbatch counts as done (``dropped()``) so a flush can never wait forever.
+    """
+
+    mode: str = "lookahead"
+    flush_every: int = 4
+    max_inflight: int = 4
+    grad_accum: int = 1
+    _injected: int = field(default=0, repr=False)
+    _done: int = field(default=0, repr=False)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"asyncmesh mode must be one of {MODES}, got {self.mode!r}")
+        if min(self.flush_every, self.max_inflight, self.grad_accum) < 1:
+            raise ValueError("flush_every, max_inflight and grad_accum must be >= 1")
+
+    @classmethod
+    def from_manifest(cls, manifest) -> StepPolicy:
+        a, t = manifest.asyncmesh, manifest.train
+        return cls(a.mode, a.gpipe_flush_every, t.max_inflight, t.grad_accum)
+
+    @property
+    def group(self) -> int:
+        return self.flush_every if self.mode == "gpipe" else self.grad_accum
+
+    def may_inject(self, inflight: int) -> bool:
+        """Head only: may a new microbatch start now (``inflight`` = microbatches not yet back)?"""
+        if self.mode == "gpipe":
+            return self._injected < self.flush_every
+        return inflight < self.max_inflight
+
+    def injected(self) -> None:
+        self._injected += 1
+
+    def backward_done(self) -> bool:
+        """Count one finished backward; True means: step the optimizer now."""
+        self._done += 1
+        if self._done < self.group:
+            return False
+        self._done = 0
+        self._injected = 0
+        return True
+
+    def dropped(self) -> bool:
+        """A microbatch of this stage was dropped; same contract as ``backward_done``."""
+        return self.backward_done()
+
+
+# --------------------------------------------------------------------------- sparse averaging
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def _mix(r: np.ndarray, key: int, mask: int) -> np.ndarray:
+    # a 64-bit multiply-xorshift hash (uint64 arithmetic wraps mod 2^64)
+    x = r ^ np.uint64(key)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(29)
+    return x & np.uint64(mask)
+
+
+class PartitionSchedule:
+    """A seeded permutation of all parameter elements, cut into ⌈1/p⌉ disjoint partitions.
+
+    Round r averages partition ``r mod n_partitions``; any ⌈1/p⌉ consecutive rounds cover every
+    element exactly once. The permutation is a 4-round Feistel network on the element index with
+    cycle walking, keyed by ``seed`` through splitmix64: it is identical on every replica and
+    every platform (it depends on no library's RNG stream), costs no memory, and a round's
+    indices are computed in O(N/P).
+
+    Elements are numbered in the order of ``shapes`` (each parameter flattened), so replicas
+    must list parameters in the same order (``named_parameters()`` order of the same stage).
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size | Sequence[int] | int], p: float, seed: int):
+        if not 0 < p <= 1:
+            raise ValueError(f"averaging fraction p must be in (0, 1], got {p}")
+        self.numels = [s if isinstance(s, int) else math.prod(s) for s in shapes]
+        if any(n < 0 for n in self.numels):
+            raise ValueError("negative parameter size")
+        self.total = sum(self.numels)
+        if self.total == 0:
+            raise ValueError("nothing to average: no parameter elements")
+        if self.total >= 1 << 62:
+            raise ValueError("too many parameter elements for the partition permutation")
+        self.p = p
+        self.n_partitions = max(1, math.ceil(1.0 / p - 1e-9))
+        self.offsets = torch.tensor([0] + list(_cumsum(self.numels)), dtype=torch.int64)
+        bits = max(2, (self.total - 1).bit_length())
+        self._half = (bits + 1) // 2
+        self._mask = (1 << self._half) - 1
+        k, self._keys = seed & 0xFFFFFFFFFFFFFFFF, []
+        for _ in range(4):
+            k = _splitmix64(k)
+            self._keys.append(k)
+
+    @property
+    def max_size(self) -> int:
+        """Largest partition, in elements (the size of an averaging buffer)."""
+        return -(-self.total // self.n_partitions)
+
+    def partition(self, round: int) -> int:
+        return round % self.n_partitions
+
+    def bounds(self, partition: int) -> tuple[int, int]:
+        base, extra = divmod(self.total, self.n_partitions)
+        start = partition * base + min(partition, extra)
+        return start, start + base + (1 if partition < extra else 0)
+
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
+        half = np.uint64(self._half)
+        left, right = x >> half, x & np.uint64(self._mask)
+        for key in self._keys:
+            left, right = right, left ^ _mix(right, key, self._mask)
+        return (left << half) | right
+
+    def permute(self, positions: torch.Tensor) -> torch.Tensor:
+        """π(positions): the element index at each position of the permutation."""
+        return torch.from_numpy(self._permute(positions.numpy().astype(np.uint64)).astype(np.int64))
+
+    def _permute(self, positions: np.ndarray) -> np.ndarray:
+        x = self._feistel(positions)
+        out_of_range = np.flatnonzero(x >= self.total)
+        while out_of_range.size:  # cycle walking: π is a bijection of [0, 2^bits)
+            x[out_of_range] = self._feistel(x[out_of_range])
+            out_of_range = out_of_range[x[out_of_range] >= self.total]
+        return x
+
+    def flat_indices(self, round: int) -> torch.Tensor:
+        """Sorted flat element indices (over all parameters) averaged in ``round``."""
+        start, end = self.bounds(self.partition(round))
+        x = np.sort(self._permute(np.arange(start, end, dtype=np.uint64)))
+        return torch.from_numpy(x.astype(np.int64))
+
+    def indices(self, round: int) -> list[torch.Tensor]:
+        """Per-parameter flat indices (into ``param.view(-1)``) averaged in ``round``."""
+        flat = self.flat_indices(round)
+        cuts = torch.searchsorted(flat, self.offsets).tolist()
+        return [flat[cuts[i] : cuts[i + 1]] - self.offsets[i] for i in range(len(self.numels))]
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("averaged tensors must be contiguous")
+    return t.detach().view(-1)
+
+
+@torch.no_grad()
+def snapshot(tensors: Sequence[torch.Tensor], indices: Sequence[torch.Tensor]) -> torch.Tensor:
+    """θ^snap[S]: the values at ``indices`` (from ``PartitionSchedule.indices``), as one float32 vector."""
+    if len(tensors) != len(indices):
+        raise ValueError(f"{len(tensors)} tensors but {len(indices)} index tensors")
+    parts = [_flat(t)[i.to(t.device)].float().cpu() for t, i in zip(tensors, indices)]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+@torch.no_grad()
+def apply_average_delta(
+    tensors: Sequence[torch.Tensor],
+    indices: Sequence[torch.Tensor],
+    snapshot_vals: torch.Tensor,
+    averaged_vals: torch.Tensor,
+    lam: float = 1.0,
+) -> float:
+    """θ[S] ← θ[S] + λ·(avg − θ^snap[S]), in place; returns ‖avg − θ^snap‖₂.
+
+    What the replica learned on S since the snapshot (θ[S] − θ^snap[S]) is kept; only the
+    disagreement with the other replicas at snapshot time is removed.
+    """
+    n = sum(int(i.numel()) for i in indices)
+    if snapshot_vals.numel() != n or averaged_vals.numel() < n:
+        raise ValueError(
+            f"average/snapshot sizes ({averaged_vals.numel()}, {snapshot_vals.numel()}) do not match "
+            f"the {n} averaged elements"
+        )
+    delta = averaged_vals[:n].float() - snapshot_vals.float()
+    if not bool(torch.isfinite(delta).all()):
+        raise ValueError("averaged values are not finite; round rejected")
+    pos = 0
+    for t, i in zip(tensors, indices):
+        k = int(i.numel())
+        if k:
+            _flat(t).index_add_(0, i.to(t.device), (lam * delta[pos : pos + k]).to(t.device, t.dtype))
+        pos += k
+    return float(delta.norm())
+
+
+class StalenessCorrection:
+    """λ_t for the delta of a sparse average that arrives s local steps after its snapshot.
+
+    Design (docs/ASYNCMESH.md has the reasoning and the measurement): between two averages of
+    the same slice, replica disagreement grows roughly linearly, over Δ = n_partitions · H local
+    steps. While a round runs (s steps), it keeps growing, so the disagreement at application
+    time is about (1 + s/Δ) times the one the round measured. λ_t = 1 + ŝ_t/Δ with ŝ_t an EMA of
+    the elapsed steps (robust to one slow round), clipped to [1, 2]. ``enabled=False`` → λ = 1.
+    """
+
+    def __init__(self, enabled: bool, n_partitions: int, avg_every: int, ema: float = 0.9):
+        self.enabled = enabled
+        self.horizon = max(1, n_partitions * avg_every)
+        self.ema = ema
+        self.s_hat: float | None = None
+
+    def lam(self, elapsed_steps: int) -> float:
+        if elapsed_steps < 0:
+            raise ValueError("elapsed steps must be >= 0")
+        s = float(elapsed_steps)
+        self.s_hat = s if self.s_hat is None else self.ema * self.s_hat + (1 - self.ema) * s
+        if not self.enabled:
+            return 1.0
+        return min(2.0, 1.0 + self.s_hat / self.horizon)
