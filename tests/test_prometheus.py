@@ -1,0 +1,173 @@
+"""A real Prometheus (Debian package `prometheus`, installed by .ci/run) scrapes a real local swarm.
+
+One swarm (bootstrap + 3 stages, runs/test.toml) serves every assertion here: Prometheus on
+loopback with a generated config scrapes every node; after two scrapes its HTTP API must return
+the swarm's series with sane values; and every metric the Grafana dashboard and the alert rules
+name must be one that the running nodes really export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from node.demo import LocalSwarm, free_port
+
+from .test_docker_files import alert_exprs, dashboard_exprs
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None,
+    reason="SKIPPED: the real-Prometheus test needs the Debian package `prometheus` "
+    "(apt-get install prometheus; .ci/run installs it)",
+)
+
+# Prometheus functions/keywords that look like identifiers in an expression
+_PROMQL_WORDS = {
+    "sum", "rate", "increase", "histogram_quantile", "by", "on", "and", "or", "unless", "max", "min",
+    "clamp_min", "time", "le", "without", "group_left", "count_over_time", "up",
+}
+
+
+def _query(base: str, expr: str) -> list[dict]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _exported_names(metrics_text: str) -> set[str]:
+    """Every sample name a node can export: TYPE lines expanded with the type's suffixes."""
+    names = set()
+    for line in metrics_text.splitlines():
+        m = re.match(r"# TYPE (\S+) (\S+)", line)
+        if not m:
+            continue
+        name, kind = m.groups()
+        names.add(name)
+        if kind == "counter":
+            base = name[:-6] if name.endswith("_total") else name
+            names |= {base + "_total", base + "_created"}
+        elif kind == "histogram":
+            names |= {name + "_bucket", name + "_count", name + "_sum", name + "_created"}
+        elif kind == "summary":
+            names |= {name + "_count", name + "_sum"}
+    return names
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    work = tmp_path_factory.mktemp("prom-swarm")
+    s = LocalSwarm(manifest="test", workdir=work / "swarm")
+    try:
+        s.start_bootstrap()
+        nodes = [s.start_node(i, name=f"stage{i}") for i in range(3)]
+        s.wait_ready(nodes, timeout=150)
+        yield s
+    finally:
+        codes = s.close()
+        print("swarm exit codes:", codes)
+
+
+@pytest.fixture(scope="module")
+def prometheus(swarm, tmp_path_factory):
+    work = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    targets = [f"127.0.0.1:{n.metrics_port}" for n in swarm.nodes]
+    cfg = work / "prometheus.yml"
+    cfg.write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
+        "scrape_configs": [{"job_name": "swarm-node", "static_configs": [{"targets": targets}]}],
+    }))
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={work / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=open(work / "prometheus.err", "wb"), stdin=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (work / "prometheus.err").read_text()
+            try:
+                # two scrapes of every target
+                res = _query(base, 'count_over_time(up{job="swarm-node"}[1m]) >= 2')
+                if len(res) == len(targets):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"Prometheus did not scrape every node twice:\n{(work / 'prometheus.err').read_text()}")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.mark.timeout(300)
+def test_prometheus_scrapes_the_swarm(swarm, prometheus):
+    up = _query(prometheus, 'up{job="swarm-node"}')
+    assert len(up) == 3 and all(r["value"][1] == "1" for r in up)
+    stages = sorted(int(float(r["value"][1])) for r in _query(prometheus, "swarm_node_stage"))
+    assert stages == [0, 1, 2]
+    online = _query(prometheus, 'swarm_node_state{state="online"} == 1')
+    assert len(online) == 3
+    # training progresses: the head's token counter increases between two scrapes
+    first = sum(float(r["value"][1]) for r in _query(prometheus, "swarm_node_tokens_total"))
+    deadline = time.monotonic() + 120
+    later = first
+    while time.monotonic() < deadline and later <= first:
+        time.sleep(2)
+        later = sum(float(r["value"][1]) for r in _query(prometheus, "swarm_node_tokens_total"))
+    assert later > first, "tokens counter did not increase"
+    inc = _query(prometheus, "increase(swarm_node_tokens_total[1m])")
+    assert any(float(r["value"][1]) > 0 for r in inc)
+    # the tail reports a finite, plausible loss (byte-level vocabulary: ln 256 = 5.55 at start)
+    deadline = time.monotonic() + 60
+    losses: list[float] = []
+    while time.monotonic() < deadline:
+        losses = [float(r["value"][1]) for r in _query(prometheus, "swarm_node_loss > 0")]
+        if losses:
+            break
+        time.sleep(1)
+    assert losses and all(math.isfinite(v) and 0 < v < 20 for v in losses), losses
+    # peers per stage as seen in the DHT: every stage present
+    peers = _query(prometheus, "max by (stage) (swarm_node_peers)")
+    assert {r["metric"]["stage"] for r in peers if float(r["value"][1]) >= 1} >= {"0", "1", "2"}
+    series = sorted({r["metric"]["__name__"] for r in _query(prometheus, '{__name__=~"swarm_node_.+"}')})
+    print("series:", " ".join(series))
+    assert len(series) >= 20
+
+
+@pytest.mark.timeout(300)
+def test_dashboard_and_alerts_name_only_exported_metrics(swarm):
+    exported: set[str] = set()
+    for n in swarm.nodes:
+        status, text = swarm.get(n, "/metrics")
+        assert status == 200
+        exported |= _exported_names(text)
+    missing = {}
+    for expr in dashboard_exprs() + alert_exprs():
+        clean = re.sub(r"\{[^}]*\}|\"[^\"]*\"|\[[^\]]*\]", "", expr)
+        for word in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", clean):
+            if word.startswith("swarm_node_") and word not in exported:
+                missing.setdefault(word, expr)
+            elif not word.startswith("swarm_node_") and word not in _PROMQL_WORDS and not word.isdigit():
+                # label names inside by()/on() are fine; anything else would be a typo
+                assert word in {"instance", "stage", "direction", "protocol", "result", "kind", "cause",
+                                "verdict", "reason", "outcome", "state", "job"}, (word, expr)
+    assert not missing, f"dashboard/alerts name metrics no node exports: {missing}"
