@@ -292,10 +292,6 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _ext_hook(code, data):
-    raise ValueError(f"msgpack extension type {code} is not allowed in a header")
-
-
 def parse_header(data: bytes | bytearray | memoryview, limits: Limits | None = None) -> FrameHead:
     """Decode and check a msgpack header: protocol version, message type, tensor table, sizes.
 
@@ -304,7 +300,7 @@ def parse_header(data: bytes | bytearray | memoryview, limits: Limits | None = N
     limits = limits or _DEFAULT_LIMITS
     try:
         header = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=_ext_hook, timestamp=0, use_list=True
+            data, raw=False, strict_map_key=True, timestamp=0, use_list=True
         )
     except Exception as e:  # msgpack raises ValueError subclasses, UnicodeDecodeError, TypeError...
         raise ProtocolError(Reason.BAD_FRAME, f"header is not valid msgpack: {type(e).__name__}: {e}") from None

@@ -21,6 +21,7 @@ import torch
 
 from protocol.frames import (
     DTYPES,
+    PROTOCOL_VERSION,
     Frame,
     ProtocolError,
     Reason,
@@ -35,6 +36,19 @@ MAX_DETAIL = 1024  # characters of a reject's human-readable detail
 MAX_U64 = 2**64 - 1
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
+
+# libp2p stream protocols: protocol id -> (request type, reply types). One request frame per
+# stream; fwd/bwd/health get one reply frame, state gets chunk frames until ``last`` (or one reject).
+FWD_PROTOCOL = f"/swarm-node/fwd/{PROTOCOL_VERSION}"
+BWD_PROTOCOL = f"/swarm-node/bwd/{PROTOCOL_VERSION}"
+STATE_PROTOCOL = f"/swarm-node/state/{PROTOCOL_VERSION}"
+HEALTH_PROTOCOL = f"/swarm-node/health/{PROTOCOL_VERSION}"
+EXCHANGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    FWD_PROTOCOL: ("fwd", ("ack", "reject")),
+    BWD_PROTOCOL: ("bwd", ("ack", "reject")),
+    STATE_PROTOCOL: ("state-request", ("state-chunk", "reject")),
+    HEALTH_PROTOCOL: ("health-request", ("health", "reject")),
+}
 
 # Fields each message type must carry (besides v, type, tensors, body_len). PROTOCOL.md lists
 # the same; tests/test_messages.py checks that the two agree.
@@ -294,6 +308,18 @@ def _check_type(frame: Frame, *types: str) -> Mapping:
     return frame.header
 
 
+def _no_tensors(frame: Frame) -> None:
+    if frame.tensors:
+        raise _bad(f"a {frame.header.get('type')} frame carries no tensors; got {list(frame.tensors)[:4]}")
+
+
+def check_request(protocol_id: str, frame: Frame) -> None:
+    """``bad-frame`` unless ``frame`` is the request type of stream protocol ``protocol_id``."""
+    if protocol_id not in EXCHANGES:
+        raise ValueError(f"unknown protocol id {protocol_id!r}; known: {list(EXCHANGES)}")
+    _check_type(frame, EXCHANGES[protocol_id][0])
+
+
 def check_run(header: Mapping, run: str, manifest: str) -> None:
     """``wrong-run`` unless the frame belongs to this run and this exact manifest."""
     r, m = header.get("run"), header.get("manifest")
@@ -506,10 +532,11 @@ class Reply:
 def parse_reply(frame: Frame) -> Reply:
     """Read an ack or reject. An unknown reason code (from a newer peer) maps to ``internal``."""
     h = _check_type(frame, "ack", "reject")
-    if frame.tensors:
-        raise _bad(f"a {h['type']} carries no tensors")
+    _no_tensors(frame)
     mb = _get_uint(h, "mb", optional=True)
     if h["type"] == "ack":
+        if "mb" not in h:
+            raise _bad("ack field 'mb' is missing (nil is allowed)")
         return Reply(True, mb, _get_uint(h, "stage"), _get_uint(h, "version"),
                      _get_uint(h, "queue", optional=True), header=h)
     code = _get_str(h, "reason", maxlen=64)
@@ -526,13 +553,13 @@ def parse_reply(frame: Frame) -> Reply:
 
 def validate_health_request(frame: Frame) -> None:
     _check_type(frame, "health-request")
-    if frame.tensors:
-        raise _bad("a health-request carries no tensors")
+    _no_tensors(frame)
 
 
 def parse_health(frame: Frame) -> dict:
     """The status map of a health reply (plus the peer's protocol version under ``"v"``)."""
     h = _check_type(frame, "health")
+    _no_tensors(frame)
     status = h.get("status")
     if not isinstance(status, dict):
         raise _bad("health field 'status' must be a map")
@@ -552,6 +579,7 @@ class StateRequest:
 def validate_state_request(frame: Frame, run: str, manifest: str, stage: int) -> StateRequest:
     """A replica of ``stage`` checks a joiner's request for its weights."""
     h = _check_type(frame, "state-request")
+    _no_tensors(frame)
     check_run(h, run, manifest)
     want = _get_uint(h, "stage", maximum=MAX_ROUTE - 1)
     if want != stage:
