@@ -9,8 +9,8 @@ header order with no padding, each little-endian and C-contiguous. Because the h
 long everything is, a receiver checks every size *before* it allocates: the header length
 against ``Limits.max_header_bytes`` before reading the header, and the body length (``body_len``,
 which must equal the sum of the listed tensors' sizes) against ``Limits.max_body_bytes`` before
-allocating the body. The received body is one ``bytearray``; tensors are ``torch.frombuffer``
-views into it, so a 64 MiB activation is copied once (socket -> body) and never again.
+allocating the body. The received body is one uninitialised uint8 numpy buffer; tensors are
+``torch.frombuffer`` views into it, so a 64 MiB activation is copied once (socket -> body) and never again.
 
 This module knows framing only: magic, lengths, the msgpack header, the tensor table, the
 protocol version and the set of message types. What a ``fwd`` or ``reject`` must contain is
@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgpack
+import numpy as np
 import torch
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
@@ -148,7 +149,7 @@ class Frame:
     header: dict
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     wire_bytes: int = 0  # prefix + header + body as received
-    body: bytearray | memoryview | None = field(default=None, repr=False)  # what the tensors view
+    body: np.ndarray | bytearray | memoryview | None = field(default=None, repr=False)  # what tensors view
 
     @property
     def type(self) -> str:
@@ -172,19 +173,20 @@ class FrameHead:
     def body_len(self) -> int:
         return self.header["body_len"]
 
-    def assemble(self, body: bytes | bytearray | memoryview) -> Frame:
+    def assemble(self, body: bytes | bytearray | memoryview | np.ndarray) -> Frame:
         """Split ``body`` (exactly ``body_len`` bytes) into tensors.
 
-        Pass a ``bytearray`` for zero-copy writable tensors; a read-only ``bytes`` is copied once
-        into a ``bytearray`` first (tensors over read-only memory would let stage code write into
-        an immutable object).
+        A writable buffer (``bytearray``, uint8 ``np.ndarray``, writable memoryview) gives
+        zero-copy tensors; a read-only ``bytes`` (what ``StreamReader.readexactly`` returns) is
+        copied once first, since tensors over immutable memory would let stage code write into
+        an immutable object.
         """
         if len(body) != self.body_len:
             raise ProtocolError(Reason.BAD_FRAME, f"body is {len(body)} bytes, header says {self.body_len}")
-        if not isinstance(body, bytearray):
+        if not isinstance(body, (bytearray, np.ndarray)):
             mv = memoryview(body)
             if mv.readonly:
-                body = bytearray(mv)
+                body = np.frombuffer(mv.cast("B"), dtype=np.uint8).copy()
             else:
                 body = mv.cast("B")
         tensors = {e.name: _view(body, e) for e in self.entries}
@@ -381,7 +383,8 @@ class FrameDecoder:
         self._buf = bytearray()  # prefix or header bytes so far
         self._want = PREFIX_LEN
         self._head: FrameHead | None = None
-        self._body: bytearray | None = None
+        self._body: np.ndarray | None = None
+        self._body_mv: memoryview | None = None
         self._filled = 0
 
     @property
@@ -411,7 +414,7 @@ class FrameDecoder:
     def _fail(self, err: ProtocolError):
         self._error = err
         self._buf = bytearray()
-        self._body = None
+        self._body = self._body_mv = None
         raise err
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
@@ -425,7 +428,7 @@ class FrameDecoder:
             while pos < n:
                 if self._state == self._BODY:
                     take = min(n - pos, self._head.body_len - self._filled)
-                    self._body[self._filled : self._filled + take] = mv[pos : pos + take]
+                    self._body_mv[self._filled : self._filled + take] = mv[pos : pos + take]
                     self._filled += take
                     pos += take
                     if self._filled == self._head.body_len:
@@ -442,7 +445,10 @@ class FrameDecoder:
                     self._head = parse_header(self._buf, self.limits)
                     self._buf = bytearray()
                     self._state, self._filled = self._BODY, 0
-                    self._body = bytearray(self._head.body_len)  # size checked in parse_header
+                    # Size checked in parse_header. np.empty: no zero-fill pass (every byte is
+                    # written before anyone sees it), large-page hint, and tracemalloc sees it.
+                    self._body = np.empty(self._head.body_len, dtype=np.uint8)
+                    self._body_mv = memoryview(self._body)
                     if self._head.body_len == 0:
                         frames.append(self._finish())
         except ProtocolError as e:
