@@ -45,6 +45,10 @@ READ_CHUNK = 1 << 20
 # The asyncio StreamReader stops reading from the socket above 2 * limit buffered bytes; the
 # default (64 KiB) makes a 64 MiB frame cost ~500 pause/resume round trips.
 READER_LIMIT = 1 << 22
+# After a reject sent before the whole request was read, keep reading (and dropping) for up to
+# this long: closing a libp2p stream with unread data resets it, and a reset can overtake the
+# reject. The caller aborts the stream as soon as it has the reject, which ends the wait.
+LINGER_S = 3.0
 
 Tensors = Sequence[tuple[str, Any]]
 # (header, [(name, tensor), ...]) or an encoded frame (the buffer list of protocol.messages.make_*)
@@ -134,6 +138,7 @@ class Transport:
         self._inflight = 0
         self._outgoing: dict[str, asyncio.Semaphore] = {}
         self._closed = False
+        self._tasks: set[asyncio.Task] = set()  # exchanges being served
         # a stream that has not delivered its request frame within this many seconds is dropped
         self.read_timeout = read_timeout
 
@@ -189,13 +194,16 @@ class Transport:
         if self._closed:
             return
         self._closed = True
-        if self._owns_p2p:
-            await self.p2p.shutdown()
-            return
-        for protocol_id in self._served:
-            with contextlib.suppress(Exception):
-                await self.p2p.remove_binary_stream_handler(protocol_id)
-        await self.p2p.shutdown()  # a replica: closes our client and its socket, not the daemon
+        if not self._owns_p2p:  # a shared daemon: stop it sending us new streams first
+            for protocol_id in self._served:
+                with contextlib.suppress(Exception):
+                    await self.p2p.remove_binary_stream_handler(protocol_id)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        # owned: stops p2pd and removes both unix sockets; a replica: only our client and socket
+        await self.p2p.shutdown()
 
     async def __aenter__(self) -> Transport:
         return self
@@ -262,7 +270,14 @@ class Transport:
 
     async def _register(self, protocol_id: str, respond: Callable[..., Awaitable[None]]) -> None:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._on_stream(protocol_id, info, reader, writer, respond)
+            task = asyncio.current_task()
+            self._tasks.add(task)
+            try:
+                await self._on_stream(protocol_id, info, reader, writer, respond)
+            except asyncio.CancelledError:
+                pass  # close() or loop shutdown; this task is the root of the connection, nobody awaits it
+            finally:
+                self._tasks.discard(task)
 
         await self.p2p.add_binary_stream_handler(protocol_id, on_stream)
         self._served.append(protocol_id)
@@ -280,7 +295,7 @@ class Transport:
         if self._inflight >= self.max_inflight_handlers or self._incoming[peer] >= self.max_streams_per_peer:
             # answer before reading anything: the caller reads while it writes
             await self._send_reject(writer, protocol_id, Reason.BUSY, "too many concurrent streams")
-            await _close(writer)
+            await _linger_close(reader, writer)
             return
         self._inflight += 1
         self._incoming[peer] += 1
@@ -294,6 +309,8 @@ class Transport:
                 await respond(frame, peer, writer)
             except ProtocolError as e:
                 await self._send_reject(writer, protocol_id, e.reason, e.detail)
+                await _linger_close(reader, writer)
+                return
             except TimeoutError:
                 logger.debug("%s from %s: no complete frame in %.0f s", protocol_id, peer, self.read_timeout)
                 _abort(writer)
@@ -522,6 +539,15 @@ def _widen(reader: asyncio.StreamReader) -> None:
     # see READER_LIMIT; asyncio keeps the limit in a private attribute, uvloop uses asyncio's reader
     if getattr(reader, "_limit", READER_LIMIT) < READER_LIMIT:
         reader._limit = READER_LIMIT
+
+
+async def _linger_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Close after a reject without resetting it away (see ``LINGER_S``)."""
+    with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while await reader.read(READ_CHUNK):
+                pass
+    await _close(writer)
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
