@@ -35,6 +35,7 @@ MAX_ROUTE = 64  # peers in a route (one per stage)
 MAX_DETAIL = 1024  # characters of a reject's human-readable detail
 MAX_U64 = 2**64 - 1
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+_REASON_CODES = frozenset(r.value for r in Reason)
 INDEX_DTYPES = ("int64", "int32")
 
 # libp2p stream protocols: protocol id -> (request type, reply types). One request frame per
@@ -416,7 +417,7 @@ class Bwd:
     codec: str
     sent_ms: int
     grad: torch.Tensor | None  # None for a skip
-    skip: str | None = None  # reason code why upstream must drop this microbatch
+    skip: str | None = None  # reason code (a Reason value) why upstream must drop this microbatch
     detail: str = ""
     header: Mapping = field(repr=False, default_factory=dict)
 
@@ -499,6 +500,8 @@ def validate_bwd(frame: Frame, expect: Expect, sender: str | None = None) -> Bwd
     skip = h.get("skip")
     if skip is not None:
         skip = _get_str(h, "skip", maxlen=64)
+        if skip not in _REASON_CODES:  # a newer peer's code: treat as internal (see PROTOCOL.md)
+            skip = Reason.INTERNAL.value
         if frame.tensors:
             raise _bad("a bwd skip carries no tensors")
         detail = h.get("detail", "")

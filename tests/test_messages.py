@@ -106,6 +106,10 @@ def test_bwd_round_trip_and_skip():
     assert skip.tensors == {} and skip.header["skip"] == "rejected-by-verifier"
     msg = validate_bwd(skip, expect_bwd())
     assert msg.grad is None and msg.skip == "rejected-by-verifier" and msg.detail == "cosine check failed"
+    future = FrameDecoder().feed(encode_frame_bytes(dict(
+        type="bwd", run=RUN, manifest=HASH, mb=1, stage=2, version=0, route=ROUTE, codec="s", sent_ms=0,
+        skip="quarantined")))[0]
+    assert validate_bwd(future, expect_bwd()).skip == "internal" and future.header["skip"] == "quarantined"
     with pytest.raises(ValueError):
         make_bwd(RUN, HASH, 1, 2, 0, ROUTE, torch.zeros(1, 1, K), skip="stale")
     with pytest.raises(ValueError):
