@@ -4,8 +4,8 @@
 ``validate_*`` take a decoded ``Frame`` and either return a small typed view of it or raise
 ``ProtocolError`` whose ``reason`` is what the receiver puts in its ``reject`` reply
 (``make_reject_for(err)``). Checks run from cheapest and most telling to most expensive: message
-type, run and manifest, header field types, sender stage, staleness, tensor names, dtypes,
-shapes, and last finite values. Non-finite values are ``bad-frame``: a NaN/Inf in an activation
+type, run and manifest, header field types, sender stage, codec, staleness, route, tensor names,
+dtypes, shapes, and last finite values. Non-finite values are ``bad-frame``: a NaN/Inf in an activation
 or gradient is never valid on the wire, whereas ``rejected-by-verifier`` is kept for finite
 tensors that SENTINEL (``security/``) judges to be an attack.
 
@@ -14,6 +14,7 @@ Field semantics, types and limits are specified in ``docs/PROTOCOL.md``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 
 from protocol.frames import (
     DTYPES,
+    ITEMSIZE,
     PROTOCOL_VERSION,
     Frame,
     ProtocolError,
@@ -35,8 +37,8 @@ MAX_ROUTE = 64  # peers in a route (one per stage)
 MAX_DETAIL = 1024  # characters of a reject's human-readable detail
 MAX_U64 = 2**64 - 1
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-_REASON_CODES = frozenset(r.value for r in Reason)
 INDEX_DTYPES = ("int64", "int32")
+_REASON_CODES = frozenset(r.value for r in Reason)
 
 # libp2p stream protocols: protocol id -> (request type, reply types). One request frame per
 # stream; fwd/bwd/health get one reply frame, state gets chunk frames until ``last`` (or one reject).
@@ -66,8 +68,6 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 def _now_ms() -> int:
-    import time
-
     return int(time.time() * 1000)
 
 
@@ -373,6 +373,17 @@ class Expect:
     max_version_lag: int | None = None
     codec: str | None = None  # if set, the frame's codec must match
     self_peer: str | None = None  # if set, a bwd's route must name this peer at stage - 1
+
+    def max_body_bytes(self) -> int:
+        """The largest body a valid frame can have: use it as ``Limits.max_body_bytes`` on the
+        fwd/bwd streams so an oversized frame is refused (``too-large``) before allocation."""
+        total = 0
+        for spec in self.tensors.values():
+            n = max(ITEMSIZE[d] for d in spec.dtypes)
+            for d in spec.shape:
+                n *= self.dims[d] if isinstance(d, str) else d
+            total += n
+        return total
 
     @classmethod
     def fwd(

@@ -185,6 +185,18 @@ def test_check_finite_only_looks_at_floats():
         check_finite({"h": torch.tensor([1.0, float("-inf")], dtype=torch.bfloat16)})
 
 
+def test_expect_max_body_bytes_is_a_tight_decoder_limit():
+    e = expect_fwd()
+    assert e.max_body_bytes() == 4 * 16 * K * 4 + 4 * 16 * 8
+    limits = frames.Limits(max_body_bytes=e.max_body_bytes())
+    biggest = make_fwd(RUN, HASH, 1, 1, 0, ROUTE[:2], torch.zeros(4, 16, K), torch.zeros(4, 16, dtype=torch.long))
+    frame = FrameDecoder(limits).feed(b"".join(biggest))[0]
+    validate_fwd(frame, e)
+    over = make_fwd(RUN, HASH, 1, 1, 0, ROUTE[:2], torch.zeros(4, 17, K), torch.zeros(4, 16, dtype=torch.long))
+    assert reason_of(FrameDecoder(limits).feed, b"".join(over)).reason is Reason.TOO_LARGE
+    assert Expect.bwd(RUN, HASH, 1, K, 4, 16).max_body_bytes() == 4 * 16 * K * 4
+
+
 def test_expect_constructors():
     with pytest.raises(ValueError):
         Expect.fwd(RUN, HASH, 0, K, 4, 16)
