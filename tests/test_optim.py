@@ -1,0 +1,358 @@
+"""Optimizers (stages/optim.py): Newton–Schulz, top-k SVD, Muon/NuMuon steps, build_optimizer,
+update directions and tensors-only state round trips; plus the --quick benchmark smoke run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from stages import asyncmesh
+from stages.manifest import load_manifest
+from stages.model import build_model, lm_loss
+from stages.optim import (
+    Muon,
+    NuMuon,
+    build_optimizer,
+    expected_step,
+    hidden_matrix_names,
+    load_optimizer_state_tensors,
+    lr_at,
+    newton_schulz,
+    optimizer_state_tensors,
+    rank_fraction,
+    set_lr,
+    topk_svd,
+    update_direction,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return load_manifest("test")
+
+
+def _with(m, **optim):
+    return m.replace(optim=optim)
+
+
+def _train(m, steps=3, seed=0, total_steps=None):
+    torch.manual_seed(seed)
+    model = build_model(m)
+    opt = build_optimizer(m, model, total_steps=total_steps)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        ids = torch.randint(0, 256, (2, 16), generator=gen)
+        set_lr(opt, lr_at(m.schedule, m.optim.lr, step))
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(ids), ids).backward()
+        opt.step()
+    return model, opt
+
+
+# ------------------------------------------------------------------- Newton–Schulz, top-k
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (8, 96), (48, 48)])
+def test_newton_schulz_is_close_to_orthogonal(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    if shape[0] == shape[1]:  # square Gaussians have tiny singular values: condition it
+        u, _, vh = torch.linalg.svd(g)
+        g = u @ torch.diag(torch.linspace(1.0, 0.05, shape[0])) @ vh
+    x = newton_schulz(g)
+    s = torch.linalg.svdvals(x)
+    # the quintic maps every non-tiny singular value into a band around 1, ~[0.68, 1.13]
+    assert s.min() > 0.6 and s.max() < 1.2, (s.min(), s.max())
+    # and it is the polar factor's direction: same singular vectors as g
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    polar = u @ vh
+    cos = (x * polar).sum() / (x.norm() * polar.norm())
+    assert cos > 0.98
+    # scale invariance: NS normalises by the Frobenius norm
+    assert torch.allclose(newton_schulz(g * 1000.0), x, atol=1e-4)
+
+
+def test_newton_schulz_batched_and_bf16():
+    g = torch.randn(3, 16, 40)
+    x = newton_schulz(g, dtype=torch.bfloat16)
+    assert x.dtype == g.dtype and x.shape == g.shape
+    s = torch.linalg.svdvals(x)
+    assert s.min() > 0.5 and s.max() < 1.3
+
+
+def test_topk_matches_torch_svd_decaying_spectrum():
+    gen = torch.Generator().manual_seed(2)
+    u0, _ = torch.linalg.qr(torch.randn(200, 120, generator=gen))
+    v0, _ = torch.linalg.qr(torch.randn(120, 120, generator=gen))
+    sv = 0.9 ** torch.arange(120.0)
+    a = (u0 * sv) @ v0.T
+    k = 10
+    u, s, v = topk_svd(a, k, generator=gen)
+    ut, st, vht = torch.linalg.svd(a, full_matrices=False)
+    assert torch.allclose(s, st[:k], rtol=1e-4)
+    # subspaces agree (projector distance)
+    assert torch.linalg.matrix_norm(u @ u.T - ut[:, :k] @ ut[:, :k].T, ord=2) < 1e-3
+    vk = v[:, :k]
+    assert torch.linalg.matrix_norm(vk @ vk.T - vht[:k].T @ vht[:k], ord=2) < 1e-3
+    assert torch.allclose(u.T @ u, torch.eye(k), atol=1e-5)
+
+
+def test_topk_random_matrix_and_warm_start_converges():
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(160, 130, generator=gen)  # flat spectrum: the hard case for 2 Krylov steps
+    k = 8
+    st = torch.linalg.svdvals(a)[:k]
+    u, s, v = topk_svd(a, k, generator=gen)
+    assert ((s - st).abs() / st).max() < 0.1
+    first = ((s - st).abs() / st).max()
+    for _ in range(8):  # warm start from the previous right vectors: keeps converging
+        u, s, v = topk_svd(a, k, v0=v, generator=gen)
+    assert ((s - st).abs() / st).max() < min(1e-3, float(first))
+    # values are the Ritz values: u^T a v = diag(s)
+    assert torch.allclose(u.T @ a @ v[:, :k], torch.diag(s), atol=1e-3)
+
+
+def test_topk_small_matrix_uses_exact_svd_and_validates():
+    a = torch.randn(20, 12)
+    u, s, v = topk_svd(a, 3)
+    assert torch.allclose(s, torch.linalg.svdvals(a)[:3], atol=1e-5)
+    with pytest.raises(ValueError, match="k=13"):
+        topk_svd(a, 13)
+    with pytest.raises(ValueError, match="matrix"):
+        topk_svd(torch.randn(3, 4, 5), 1)
+
+
+def test_rank_fraction_schedule():
+    kw = dict(total_steps=100, rank_start=1.0, rank_final=0.25, hold_frac=0.1, decay_end_frac=0.8)
+    assert rank_fraction(0, **kw) == 1.0 and rank_fraction(10, **kw) == 1.0
+    assert rank_fraction(80, **kw) == 0.25 and rank_fraction(100, **kw) == 0.25
+    mid = rank_fraction(45, **kw)
+    assert abs(mid - 0.625) < 1e-9  # cosine midpoint
+    vals = [rank_fraction(t, **kw) for t in range(101)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))
+
+
+# ------------------------------------------------------------------- Muon / NuMuon steps
+
+
+def test_muon_step_formula():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(24, 8))
+    g = torch.randn(24, 8)
+    w0 = w.detach().clone()
+    opt = Muon([w], lr=0.1, momentum=0.9, weight_decay=0.5)
+    w.grad = g.clone()
+    opt.step()
+    # M = G, U = G + 0.9 M = 1.9 G; NS is scale-invariant; scale sqrt(24/8)
+    expect = w0 * (1 - 0.1 * 0.5) - 0.1 * math.sqrt(3.0) * newton_schulz(g)
+    assert torch.allclose(w.detach(), expect, atol=1e-6)
+
+
+def test_numuon_full_rank_equals_muon():
+    torch.manual_seed(0)
+    shapes = [(32, 16), (16, 48), (20, 20)]
+    ws_a = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    ws_b = [torch.nn.Parameter(w.detach().clone()) for w in ws_a]
+    a = Muon(ws_a, lr=0.05, weight_decay=0.1)
+    b = NuMuon(ws_b, lr=0.05, weight_decay=0.1, total_steps=10, rank_start=1.0, rank_final=1.0)
+    for _ in range(5):
+        for wa, wb in zip(ws_a, ws_b):
+            g = torch.randn(wa.shape)
+            wa.grad, wb.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+        for wa, wb in zip(ws_a, ws_b):
+            assert torch.equal(wa, wb)
+
+
+def test_numuon_low_rank_update_is_topk_polar_factor():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(40, 30))
+    # rank fraction already at its final 0.25 at step 0: k = ceil(0.25 * 30) = 8
+    opt = NuMuon([w], lr=0.1, momentum=0.0, nesterov=False, total_steps=10,
+                 rank_start=0.25, rank_final=0.25)
+    g = torch.randn(40, 30)
+    w0 = w.detach().clone()
+    w.grad = g
+    opt.step()
+    delta = (w0 - w.detach()) / (0.1 * math.sqrt(40 / 30))  # lr and shape scale
+    s = torch.linalg.svdvals(delta)
+    assert (s[:8] - 1.0).abs().max() < 1e-4 and s[8:].max() < 1e-4  # exactly rank 8, unit values
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    assert torch.allclose(delta, u[:, :8] @ vh[:8], atol=1e-3)
+    assert opt.state[w]["v"].shape[0] == 30  # warm start kept
+
+
+def test_numuon_rank_follows_schedule():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = NuMuon([w], lr=0.01, total_steps=10, rank_start=1.0, rank_final=0.25,
+                 rank_hold_frac=0.2, rank_decay_end_frac=0.5)
+    ranks = []
+    for _ in range(8):
+        w0 = w.detach().clone()
+        w.grad = torch.randn(64, 64)
+        opt.step()
+        s = torch.linalg.svdvals(w0 - w.detach())
+        ranks.append(int((s > 1e-3 * s[0]).sum()))
+    assert ranks[0] == 64 and ranks[-1] == 16
+    assert all(a >= b for a, b in zip(ranks, ranks[1:]))
+
+
+def test_param_without_grad_is_untouched():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    b = torch.nn.Parameter(torch.randn(8))
+    frozen = torch.nn.Parameter(torch.randn(8, 8))
+    w0 = frozen.detach().clone()
+    opt = Muon([{"params": [w, frozen], "weight_decay": 0.5}, {"params": [b], "use_muon": False, "weight_decay": 0.5}])
+    for _ in range(3):
+        w.grad, b.grad = torch.randn(8, 8), torch.randn(8)
+        opt.step()
+    assert torch.equal(frozen.detach(), w0) and frozen not in opt.state
+
+
+def test_muon_rejects_vector_in_muon_group():
+    v = torch.nn.Parameter(torch.randn(5))
+    opt = Muon([v])
+    v.grad = torch.randn(5)
+    with pytest.raises(ValueError, match="1-D"):
+        opt.step()
+
+
+# ------------------------------------------------------------------- build_optimizer
+
+
+def test_build_optimizer_groups_for_muon(manifest):
+    m = _with(manifest, name="muon", lr=0.02, aux_lr=3e-3)
+    model = build_model(m)
+    opt = build_optimizer(m, model)
+    assert isinstance(opt, Muon) and not isinstance(opt, NuMuon)
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(names.values())  # every parameter exactly once
+    muon = [names[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    assert set(muon) == set(hidden_matrix_names(model))
+    assert all(".attn.qkv_proj." in n or ".out_proj." in n or "_proj." in n for n in muon)
+    assert "embed.weight" not in muon and "lm_head.weight" not in muon
+    set_lr(opt, 0.01)
+    for g in opt.param_groups:
+        assert g["lr"] == pytest.approx(0.01 if g["use_muon"] else 0.01 * 3e-3 / 0.02)
+    numuon = build_optimizer(_with(manifest, name="numuon"), build_model(m))
+    assert isinstance(numuon, NuMuon) and numuon.param_groups[0]["total_steps"] == m.schedule.total_steps
+
+
+@pytest.mark.parametrize("name,cls", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam),
+                                      ("nadam", torch.optim.NAdam), ("sgd", torch.optim.SGD)])
+def test_build_optimizer_torch_ones(manifest, name, cls):
+    m = _with(manifest, name=name)
+    model = build_model(m)
+    opt = build_optimizer(m, model)
+    assert type(opt) is cls
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    decay = [g for g in opt.param_groups if g["weight_decay"] > 0]
+    embed = dict(model.named_parameters())["embed.weight"]
+    assert all(all(p is not embed for p in g["params"]) for g in decay)
+
+
+# ------------------------------------------------------------------- update direction
+
+
+def test_muon_update_direction_predicts_next_step_with_zero_grad(manifest):
+    for name in ("muon", "numuon"):
+        m = _with(manifest, name=name, lr=0.02, rank_start=0.5, rank_final=0.5)
+        model, opt = _train(m, steps=3)
+        steps = expected_step(opt)
+        before = {p: p.detach().clone() for p in steps}
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p, d in steps.items():
+            group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+            if group["use_muon"]:  # zero gradient: U = β²M, same orthogonal direction
+                assert torch.allclose(before[p] - p.detach(), d, atol=2e-5, rtol=1e-3), name
+
+
+def test_update_direction_adam_family_agrees_with_asyncmesh(manifest):
+    for name in ("adamw", "nadam", "sgd", "muon"):
+        model, opt = _train(_with(manifest, name=name), steps=2)
+        mine = update_direction(opt)
+        assert len(mine) == len(list(model.parameters()))
+        for p, d in mine.items():
+            theirs = asyncmesh.update_direction(opt, p)
+            assert torch.allclose(d, theirs, atol=1e-6), name
+        if name == "adamw":  # m̂/(√v̂+eps) + wd·W by hand
+            g = opt.param_groups[0]
+            p = g["params"][0]
+            st = opt.state[p]
+            b1, b2 = g["betas"]
+            hand = (st["exp_avg"] / (1 - b1**2)) / ((st["exp_avg_sq"] / (1 - b2**2)).sqrt() + g["eps"])
+            assert torch.allclose(mine[p], hand + g["weight_decay"] * p, atol=1e-6)
+
+
+# ------------------------------------------------------------------- state round trip
+
+
+@pytest.mark.parametrize("name", ["adamw", "nadam", "sgd", "muon", "numuon"])
+def test_state_round_trips_through_safetensors(manifest, name, tmp_path):
+    m = _with(manifest, name=name, lr=0.01, rank_start=0.5, rank_final=0.5)
+    model_a, opt_a = _train(m, steps=3, total_steps=10)
+    tensors = optimizer_state_tensors(opt_a)
+    assert tensors and all(isinstance(t, torch.Tensor) for t in tensors.values())
+    save_file(tensors, str(tmp_path / "opt.safetensors"))
+    loaded = load_file(str(tmp_path / "opt.safetensors"))
+
+    torch.manual_seed(123)
+    model_b = build_model(m)
+    model_b.load_state_dict(model_a.state_dict())
+    opt_b = build_optimizer(m, model_b, total_steps=10)
+    load_optimizer_state_tensors(opt_b, loaded)
+    if isinstance(opt_a, Muon):
+        assert opt_b.global_step == opt_a.global_step == 3
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(9))
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+        set_lr(opt, 0.005)  # the lr is the trainer's (schedule), not part of the state
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(ids), ids).backward()
+        opt.step()
+    for (n, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb), (name, n)
+
+
+def test_state_load_rejects_mismatch(manifest):
+    m = _with(manifest, name="adamw")
+    _, opt = _train(m, steps=1)
+    tensors = optimizer_state_tensors(opt)
+    other = build_optimizer(m, build_model(m))
+    with pytest.raises(ValueError, match="unexpected key"):
+        load_optimizer_state_tensors(other, {"bogus": torch.zeros(1)})
+    with pytest.raises(ValueError, match="parameter 999"):
+        load_optimizer_state_tensors(other, {"state.999.exp_avg": torch.zeros(1)})
+    key = next(k for k in tensors if k.endswith(".exp_avg"))
+    with pytest.raises(ValueError, match="shape"):
+        load_optimizer_state_tensors(other, {key: torch.zeros(3, 3, 3)})
+
+
+# ------------------------------------------------------------------- benchmark smoke run
+
+
+@pytest.mark.timeout(120)
+def test_bench_optim_quick():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_optim.py"), "--quick"],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert set(out["val_loss"]) >= {"adamw", "muon", "numuon"}
+    for name in ("adamw", "muon", "numuon"):
+        assert set(out["trunc_loss_increase"][name]) == {"0.25", "0.5"}
+    w = out["warmup"]
+    for key in ("lr", "baseline_spikes", "warmup_spikes", "baseline_final", "warmup_final", "max_sharpness"):
+        assert key in w
+    assert out["settings"]["quick"] is True
