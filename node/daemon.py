@@ -1,0 +1,530 @@
+"""`swarm-node run`: the daemon that holds one pipeline stage, joins the swarm and trains.
+
+Start-up is a straight line, and every step that can fail because of the operator fails with
+one line naming what is wrong and how to fix it (``node.cli.CliError``), before anything is
+left running:
+
+1. settings: flags > ``SWARM_NODE_*`` env > ``--config`` TOML > defaults (``node.config``);
+2. pre-flight: manifest, identity key permissions, listen and metrics ports free, device;
+3. identity not already online (a throwaway daemon dials the key's peer id);
+4. DHT + p2pd, bootstrapped from ``--initial-peers`` with retries (``node.membership``);
+5. the swarm's manifest: same hash, or refuse naming the differing fields; publish if first;
+6. stage: forced, from our checkpoint, or ``auto`` (least announced throughput);
+7. memory: the stage must fit in the device's free memory (numbers in the error);
+8. build the stage, restore the newest valid checkpoint, or download the weights from an online
+   replica (``joining`` -> ``online``), serve fwd/bwd/state/health, announce, train.
+
+SIGTERM/SIGINT: stop injecting, drain in-flight microbatches (bounded by ``--drain-timeout``),
+write a checkpoint, announce ``offline``, stop p2pd, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from node import config as node_config
+from node.cli import CliError
+
+log = logging.getLogger("swarm_node.daemon")
+
+
+def add_arguments(parser) -> None:
+    node_config.add_arguments(parser)
+
+
+def main(args) -> int:
+    try:
+        cfg = node_config.resolve_config(args)
+        code = run_node(cfg)
+    except CliError as e:
+        print(f"swarm-node: error: {e}", file=sys.stderr)
+        code = 2
+    fast_exit(code)
+    return code  # not reached
+
+
+def fast_exit(code: int) -> None:
+    """Leave now. Everything the node owns (p2pd, DHT, threads, files) is closed explicitly
+    before this; the interpreter's own teardown of torch and hivemind would add seconds to every
+    SIGTERM on a loaded machine, for nothing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# ---------------------------------------------------------------- pre-flight
+
+
+def check_port_free(host: str, port: int, what: str, flag: str) -> None:
+    """Bind-test ``host:port`` (TCP); a taken port is an operator error naming the flag to change."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise CliError(
+                    f"{what} port {port} on {host} is already in use (another swarm-node?); "
+                    f"stop that process or choose another port with {flag}"
+                ) from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise CliError(f"{what} address {host} is not an address of this machine; fix {flag}") from None
+            raise CliError(f"cannot listen on {host}:{port} for {what}: {e.strerror}; fix {flag}") from None
+
+
+def uvloop_runner():
+    """An ``asyncio.Runner`` on uvloop (plain asyncio where uvloop is unavailable)."""
+    try:
+        import uvloop
+
+        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.Runner()
+
+
+def _announce_line(text: str) -> None:
+    print(f"swarm-node: {text}", flush=True)
+
+
+# ---------------------------------------------------------------- the node
+
+
+def run_node(cfg: node_config.NodeConfig) -> int:
+    import torch
+
+    from node.checkpoint import CheckpointError, load_latest_checkpoint
+    from node.identity import anonymous_identity_in_use, check_identity
+    from node.membership import (
+        BootstrapError,
+        IdentityInUse,
+        ManifestMismatch,
+        Membership,
+        choose_stage,
+        start_dht,
+        stop_dht,
+    )
+    from node.metrics import MetricsServer, NodeMetrics, PortInUse
+    from node.resources import available_device_bytes, estimate_stage_memory, fmt_bytes, resolve_device
+    from stages.manifest import ManifestError, load_manifest, manifest_hash
+
+    t_start = time.monotonic()
+    try:
+        manifest = load_manifest(cfg.manifest)
+    except ManifestError as e:
+        raise CliError(f"--manifest {cfg.manifest}: {e}") from None
+    if cfg.stage != "auto" and int(cfg.stage) >= manifest.n_stages:
+        raise CliError(f"--stage {cfg.stage}: the manifest has {manifest.n_stages} stages (0..{manifest.n_stages - 1})")
+    if cfg.identity:
+        check_identity(cfg.identity)  # CliError: missing, world-readable, not a key
+    for host, port in node_config.tcp_ports(cfg.host_maddrs):
+        check_port_free(host, port, "listen", "--host-maddrs")
+    try:
+        device = torch.device(resolve_device(cfg.device))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+
+    metrics = NodeMetrics(run=manifest.run.id, peer_labels=cfg.peer_labels)
+    server = None
+    if cfg.metrics_port >= 0:
+        if cfg.metrics_port:
+            check_port_free(cfg.metrics_host, cfg.metrics_port, "metrics", "--metrics-port")
+        try:
+            server = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
+        except PortInUse:
+            raise CliError(
+                f"metrics port {cfg.metrics_port} on {cfg.metrics_host} is already in use; "
+                "choose another with --metrics-port (0: any free port, -1: no metrics)"
+            ) from None
+        server.start()
+        _announce_line(f"metrics at {server.url}/metrics (health {server.url}/healthz, ready {server.url}/readyz)")
+
+    dht = None
+    try:
+        if cfg.identity and cfg.initial_peers:
+            from node.membership import p2p_options
+
+            in_use = asyncio.run(anonymous_identity_in_use(
+                cfg.identity, cfg.initial_peers, timeout=5.0,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"] if cfg.local else ["/ip4/0.0.0.0/tcp/0"],
+                **p2p_options(cfg.local)))
+            if in_use:
+                raise CliError(
+                    f"identity {cfg.identity} is already online in this swarm (another node runs with this key); "
+                    "stop that node first, or give this one its own key: swarm-node keygen NEWKEY"
+                )
+        try:
+            dht = start_dht(cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs, cfg.identity or None,
+                            local=cfg.local, retries=cfg.bootstrap_retries, timeout=cfg.bootstrap_timeout)
+        except BootstrapError as e:
+            raise CliError(str(e)) from None
+        except IdentityInUse as e:
+            raise CliError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - p2pd refused to start: say why in one line
+            text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            if "address already in use" in text.lower():
+                raise CliError(f"a listen port in --host-maddrs {' '.join(cfg.host_maddrs)} is already in use; "
+                               "choose another port") from None
+            raise CliError(f"could not start the p2p daemon: {text[:300]}") from None
+        peer_id = dht.peer_id.to_base58()
+        maddrs = [str(a) for a in dht.get_visible_maddrs()]
+        membership = Membership(dht, manifest, ttl=max(4 * cfg.announce_every, 10.0))
+        try:
+            had_manifest = membership.check_and_publish_manifest()
+        except ManifestMismatch as e:
+            raise CliError(str(e)) from None
+        log.info("%s manifest %s of run %s", "joined swarm with" if had_manifest else "published",
+                 manifest_hash(manifest)[:12], manifest.run.id)
+
+        # ---- stage: forced, our checkpoint's, or the least served one
+        found = None
+        if cfg.checkpoint_dir:
+            try:
+                found = load_latest_checkpoint(cfg.checkpoint_dir)
+            except CheckpointError as e:
+                raise CliError(f"--checkpoint-dir {cfg.checkpoint_dir}: {e}") from None
+        if found is not None:
+            ck_step, ck_tensors, ck_meta = found
+            if ck_meta.get("manifest_hash") != manifest_hash(manifest) or ck_meta.get("kind") != "node":
+                raise CliError(
+                    f"--checkpoint-dir {cfg.checkpoint_dir}: its newest checkpoint (step {ck_step}) belongs to another "
+                    "run or manifest; use an empty directory for this run"
+                )
+            ck_stage = int(ck_meta.get("stage", -1))
+            if cfg.stage != "auto" and int(cfg.stage) != ck_stage:
+                raise CliError(
+                    f"--stage {cfg.stage}: the checkpoint in {cfg.checkpoint_dir} is of stage {ck_stage}; "
+                    f"use --stage {ck_stage} (or auto) or another --checkpoint-dir"
+                )
+        peers = membership.peers()
+        if found is not None:
+            index = ck_stage
+        elif cfg.stage == "auto":
+            index = choose_stage(peers, manifest.n_stages)
+            log.info("--stage auto: chose stage %d of %d", index, manifest.n_stages)
+        else:
+            index = int(cfg.stage)
+
+        # ---- memory
+        need = estimate_stage_memory(manifest, index)
+        free = available_device_bytes(str(device))
+        if need.total_bytes > free:
+            raise CliError(
+                f"stage {index} needs about {fmt_bytes(need.total_bytes)} ({need.params:,} parameters: "
+                f"{fmt_bytes(need.param_bytes)} with optimizer state, + {fmt_bytes(need.activation_bytes)} "
+                f"activations) but {device} has {fmt_bytes(free)} free; use a bigger device or a smaller stage"
+            )
+
+        node = Node(cfg, manifest, index, device, dht, membership, metrics, server, peer_id, maddrs,
+                    checkpoint=found)
+        node.setup()
+        _announce_line(f"peer {peer_id} holds stage {index}/{manifest.n_stages} of run {manifest.run.id}; "
+                       f"listening on {' '.join(maddrs)}")
+        log.info("start-up took %.1f s", time.monotonic() - t_start)
+        with uvloop_runner() as runner:
+            code = runner.run(node.serve())
+        return code
+    finally:
+        t_stop = time.monotonic()
+        if dht is not None:
+            stop_dht(dht)
+        if server is not None:
+            server.close()
+        log.info("p2p daemon and DHT stopped in %.1f s", time.monotonic() - t_stop)
+
+
+class Node:
+    """Everything one running node owns; ``serve()`` is its life on the event loop."""
+
+    def __init__(self, cfg, manifest, index, device, dht, membership, metrics, server, peer_id, maddrs,
+                 checkpoint=None):
+        self.cfg, self.m, self.index, self.device = cfg, manifest, index, device
+        self.dht, self.membership, self.metrics, self.server = dht, membership, metrics, server
+        self.peer_id, self.maddrs = peer_id, maddrs
+        self.checkpoint = checkpoint
+        self.runtime = None
+        self.averager = None
+        self._ckpt_pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._stop = None
+        self._announce_now = None
+
+    # ---- synchronous part (main thread: hivemind's averager forks)
+
+    def setup(self) -> None:
+        import torch
+
+        from node.routing import Router
+        from node.runtime import RuntimeOptions, StageRuntime, new_microbatch_rng
+        from stages.model import build_stage
+        from stages.optim import build_optimizer
+
+        m, index = self.m, self.index
+        stage = build_stage(m, index, device=self.device)
+        optimizer = build_optimizer(m, stage)
+        batches = self._batches() if index == 0 else None
+        self.router = Router(self.peer_id, rng=new_microbatch_rng(self.cfg.seed))
+        options = RuntimeOptions(
+            queue_size=self.cfg.queue_size, context_ttl=self.cfg.context_ttl,
+            request_timeout=self.cfg.request_timeout, max_inflight=self.cfg.max_inflight,
+            steps=self.cfg.steps, checkpoint_every=self.cfg.checkpoint_every,
+            forward_deadline=max(10.0, self.cfg.request_timeout * 2),
+            use_amp=self.device.type == "cuda",
+        )
+        self.averager = self._averager(stage) if self.cfg.averaging else None
+        self.runtime = StageRuntime(
+            m, index, stage, optimizer, transport=None, router=self.router, metrics=self.metrics,
+            verifier=make_verifier(m, index), peer_id=self.peer_id, device=self.device, options=options,
+            batches=batches, averager=self.averager,
+            checkpointer=self._save_async if self.cfg.checkpoint_dir else None,
+            rng=new_microbatch_rng(self.cfg.seed),
+        )
+        if self.checkpoint is not None:
+            step, tensors, meta = self.checkpoint
+            self.runtime.restore(tensors, meta)
+            self.metrics.checkpoint_step.set(step)
+            _announce_line(f"resumed stage {index} from checkpoint step {step} in {self.cfg.checkpoint_dir}")
+        del self.checkpoint
+        torch.manual_seed(self.cfg.seed or int.from_bytes(os.urandom(4), "little"))
+
+    def _batches(self):
+        from stages.data import Batches, DataError, load_corpus
+
+        try:
+            corpus = load_corpus(self.m.data)
+        except DataError as e:
+            raise CliError(str(e)) from None
+        shard = self.cfg.data_shard
+        if shard < 0:
+            shard = int.from_bytes(self.peer_id.encode()[-8:], "big") % self.cfg.num_shards
+        log.info("data: %s; shard %d of %d", corpus.description, shard, self.cfg.num_shards)
+        return Batches(corpus.train, self.m.data.batch_size, self.m.model.seq_len, seed=self.m.run.seed,
+                       shard=shard, num_shards=self.cfg.num_shards)
+
+    def _averager(self, stage):
+        from node.averaging import ReplicaAverager, averaging_prefix
+
+        a = self.m.asyncmesh
+        try:
+            avg = ReplicaAverager(
+                self.dht, [p for _, p in stage.named_parameters()],
+                prefix=averaging_prefix(self.m.run.id, self.index), fraction=a.avg_fraction, every=a.avg_every,
+                seed=self.m.run.seed + self.index, correction=a.avg_correction, timeout=a.avg_timeout_s,
+                peers_fn=lambda: self.router.count_by_stage(self.m.n_stages)[self.index] + 1,
+            )
+            avg.start()
+        except Exception as e:  # noqa: BLE001 - training works without averaging; say so
+            log.warning("replica averaging is off: %r", e)
+            return None
+        return avg
+
+    # ---- checkpoints
+
+    def _save_async(self, step: int, tensors: dict, meta: dict) -> None:
+        """Called by the compute worker after a step: write in the background (in order)."""
+        self._ckpt_pool.submit(self._save, step, tensors, meta)
+
+    def _save(self, step: int, tensors: dict, meta: dict) -> None:
+        from node.checkpoint import CheckpointError, save_checkpoint
+
+        try:
+            path = save_checkpoint(self.cfg.checkpoint_dir, step, tensors, meta)
+        except CheckpointError as e:
+            log.error("%s", e)
+            return
+        self.metrics.checkpoint_step.set(step)
+        self.metrics.checkpoint_time.set(time.time())
+        log.info("checkpoint step %d -> %s", step, path)
+
+    # ---- the event loop
+
+    async def serve(self) -> int:
+        from node.membership import PeerRecord
+        from node.p2p import Transport
+        from node.state_sync import StateSyncError, join_from_replicas
+        from protocol.frames import Limits
+
+        cfg, rt = self.cfg, self.runtime
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._announce_now = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+        p2p = await self.dht.replicate_p2p()
+        limits = Limits(max_body_bytes=max(64 << 20, 2 * rt.max_batch * self.m.model.seq_len * (self.m.k * 4 + 8)))
+        transport = Transport(p2p, limits=limits, max_streams_per_peer=max(16, 4 * cfg.queue_size))
+        rt.transport = transport
+        self.transport = transport
+        await rt.start()
+        bg = [asyncio.ensure_future(self._announce_loop(PeerRecord)),
+              asyncio.ensure_future(rt.maintain(beat=self.server.beat if self.server else None)),
+              asyncio.ensure_future(self._wire_metrics_loop())]
+        code = 0
+        try:
+            # ---- join
+            rt.set_state("joining")
+            self._set_server_state("joining")
+            await self._refresh_peers()
+            if rt.version == 0 and not self._restored:
+                replicas = [p.peer_id for p in self.router.stage_peers(self.index)]
+                if replicas:
+                    try:
+                        version, src = await join_from_replicas(
+                            transport, replicas, self.m.run.id, rt.mhash, self.index, rt.stage, rt.metrics,
+                            timeout=max(30.0, cfg.request_timeout))
+                    except StateSyncError as e:
+                        log.error("%s", e)
+                        raise CliError(f"could not download stage {self.index} state from any online replica; "
+                                       "check connectivity to them and retry") from None
+                    rt.la.version = version
+                    rt.metrics.version.set(version)
+                    _announce_line(f"downloaded stage {self.index} state at version {version} from {src}")
+            rt.set_state("online")
+            self._set_server_state("online")
+            self._announce_now.set()
+            _announce_line(f"online: stage {self.index}, version {rt.version}")
+            if rt.is_head:
+                bg.append(asyncio.ensure_future(rt.drive()))
+            bg.append(asyncio.ensure_future(self._steps_watch()))
+            await self._stop.wait()
+        finally:
+            code = await self._shutdown(bg)
+        return code
+
+    @property
+    def _restored(self) -> bool:
+        return self.runtime.version > 0
+
+    def _on_signal(self, sig) -> None:
+        if self._stop.is_set():
+            log.warning("second %s: leaving without draining", signal.Signals(sig).name)
+            self.runtime._stopping = True
+        log.info("%s received: draining and leaving", signal.Signals(sig).name)
+        self._stop.set()
+
+    def _set_server_state(self, state: str) -> None:
+        if self.server is not None:
+            self.server.set_state(state)
+            self.server.details = {"stage": self.index, "version": self.runtime.version}
+
+    async def _steps_watch(self) -> None:
+        rt = self.runtime
+        while self.cfg.steps:
+            if rt.version >= self.cfg.steps and (not rt.is_head or rt.inflight == 0):
+                log.info("reached %d steps: leaving", rt.version)
+                self._stop.set()
+                return
+            await asyncio.sleep(0.2)
+
+    async def _refresh_peers(self) -> None:
+        try:
+            peers = await self.membership.apeers()
+        except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop training
+            log.warning("could not read peers from the DHT: %r", e)
+            return
+        self.router.update(peers)
+        counts = self.router.count_by_stage(self.m.n_stages)
+        for s in range(self.m.n_stages):
+            own = 1 if (s == self.index and self.runtime.state == "online") else 0
+            self.metrics.peers.labels(stage=str(s)).set(counts[s] + own)
+
+    async def _announce(self, PeerRecord, state: str | None = None, ttl: float | None = None,
+                        timeout: float = 10.0) -> None:
+        rt = self.runtime
+        st = state or rt.state
+        if st not in ("joining", "online", "draining", "offline"):
+            st = "joining"
+        rec = PeerRecord(self.peer_id, self.index, st,
+                         throughput=rt.tokens_per_s(), queue=rt.worker.depth("fwd") if rt.worker else 0,
+                         version=rt.version, maddrs=self.maddrs)
+        try:
+            await self.membership.aannounce(rec, ttl=ttl, timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            log.warning("announce failed: %r", e)
+
+    async def _announce_loop(self, PeerRecord) -> None:
+        last_manifest = 0.0
+        while True:
+            await self._announce(PeerRecord)
+            await self._refresh_peers()
+            if time.monotonic() - last_manifest > 4 * self.cfg.announce_every:
+                last_manifest = time.monotonic()
+                try:
+                    await self.membership.arefresh_manifest()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("manifest refresh: %s", e)
+            self._announce_now.clear()
+            try:
+                await asyncio.wait_for(self._announce_now.wait(), self.cfg.announce_every)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _wire_metrics_loop(self) -> None:
+        """Copy the transport's byte counters into the Prometheus counters."""
+        last: dict = {}
+        names = {"/swarm-node/fwd/1": "fwd", "/swarm-node/bwd/1": "bwd", "/swarm-node/state/1": "state",
+                 "/swarm-node/health/1": "health"}
+        while True:
+            for (proto, direction), n in list(self.transport.stats.bytes.items()):
+                delta = n - last.get((proto, direction), 0)
+                if delta > 0:
+                    self.metrics.wire_bytes.labels(protocol=names.get(proto, proto), direction=direction).inc(delta)
+                    last[(proto, direction)] = n
+            await asyncio.sleep(1.0)
+
+    async def _shutdown(self, bg) -> int:
+        """Drain, checkpoint, announce offline, stop serving. Bounded by --drain-timeout (+ a few s)."""
+        from node.membership import PeerRecord
+
+        rt, cfg = self.runtime, self.cfg
+        t0 = time.monotonic()
+        self._set_server_state("draining")
+        drained = await rt.drain(cfg.drain_timeout) if rt.worker is not None else True
+        log.info("drain %s in %.1f s", "complete" if drained else "timed out", time.monotonic() - t0)
+        if self.dht.is_alive():
+            await self._announce(PeerRecord, state="offline", ttl=max(2 * cfg.announce_every, 5.0), timeout=3.0)
+        for t in bg:
+            t.cancel()
+        await asyncio.gather(*bg, return_exceptions=True)
+        if cfg.checkpoint_dir and rt.worker is not None and rt.version > 0:
+            try:
+                tensors, meta = await asyncio.wait_for(rt.worker.submit("ctl", rt.checkpoint_state), 30)
+                await asyncio.get_running_loop().run_in_executor(self._ckpt_pool, self._save, rt.version,
+                                                                 tensors, meta)
+            except Exception as e:  # noqa: BLE001
+                log.error("final checkpoint failed: %r", e)
+        await rt.stop()
+        self._ckpt_pool.shutdown(wait=True)
+        if self.averager is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.averager.close)
+        self._set_server_state("offline")
+        try:
+            await asyncio.wait_for(self.transport.close(), 5)
+        except Exception as e:  # noqa: BLE001
+            log.warning("transport close: %r", e)
+        log.info("left the swarm after %.1f s of shutdown", time.monotonic() - t0)
+        return 0
+
+
+def make_verifier(manifest, index: int):
+    """The verifier every accepted tensor passes (``security.verifier``)."""
+    from security.verifier import build_verifier
+
+    return build_verifier(manifest, index)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from node.cli import main as cli_main
+
+    sys.exit(cli_main(["run", *sys.argv[1:]]))

@@ -1,0 +1,359 @@
+"""`swarm-node demo`: a bootstrap peer and a whole local swarm, as separate processes, training.
+
+``LocalSwarm`` is the launcher the demo, ``scripts/bench_swarm.py`` and the multi-process tests
+share: every node is a real ``swarm-node run`` process on loopback (its own p2pd, its own
+metrics port), started in its own process group so that stopping the swarm, or killing one node
+with ``kill -9``, never leaves a p2pd behind. Each process writes ``NAME.out`` (the one-line
+announcements: metrics URL, peer id, ``online``) and ``NAME.err`` (logs) in the swarm's work dir.
+
+The demo shows one progress line: the tail's optimizer step and loss, tokens/s, and wire bytes
+per token (every node's fwd+bwd bytes out, divided by the tokens the head trained). It stops
+cleanly on Ctrl-C or after ``--steps``: SIGTERM to every node, each drains and leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node.cli import CliError
+
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{'name{labels}': value}`` (labels as printed)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC_LINE.match(line)
+        if m:
+            try:
+                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels) -> float:
+    """Sum of a family's samples whose labels include ``labels``."""
+    total = 0.0
+    for key, v in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
+            total += v
+    return total
+
+
+@dataclass
+class NodeProc:
+    name: str
+    proc: subprocess.Popen
+    out: Path
+    err: Path
+    stage: int | None = None
+    metrics_port: int | None = None
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        try:
+            return self.out.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def logs(self) -> str:
+        try:
+            return self.err.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+
+class LocalSwarm:
+    """A loopback swarm of separate processes: one bootstrap peer and any number of stage nodes."""
+
+    def __init__(self, manifest: str = "default", workdir: str | Path | None = None,
+                 python: str = sys.executable, announce_every: float = 1.0, torch_threads: int = 1,
+                 env: dict | None = None, node_args: list[str] | None = None):
+        self.manifest = str(manifest)
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="swarm-node-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.announce_every = announce_every
+        self.torch_threads = torch_threads
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.node_args = list(node_args or [])
+        self.bootstrap: NodeProc | None = None
+        self.initial_peers: list[str] = []
+        self.nodes: list[NodeProc] = []
+        self._count = 0
+
+    # ---- processes
+
+    def _spawn(self, name: str, argv: list[str]) -> NodeProc:
+        out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
+        cmd = [self.python, "-m", "node.cli", *argv]
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=self.env,
+                                    start_new_session=True)
+        return NodeProc(name, proc, out, err, args=argv)
+
+    def start_bootstrap(self, timeout: float = 60.0, publish_manifest: bool = True) -> list[str]:
+        argv = ["bootstrap", "--local"]
+        if publish_manifest:
+            argv += ["--manifest", self.manifest]
+        self.bootstrap = self._spawn("bootstrap", argv)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = [ln for ln in self.bootstrap.output().splitlines() if ln.startswith("/")]
+            if lines and (not publish_manifest or "published the manifest" in self.bootstrap.output()):
+                self.initial_peers = lines
+                return lines
+            if self.bootstrap.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"bootstrap did not come up:\n{self.bootstrap.output()}\n{self.bootstrap.logs()[-3000:]}")
+
+    def start_node(self, stage: int | str, name: str | None = None, *, identity: str | None = None,
+                   checkpoint_dir: str | None = None, extra: list[str] | None = None,
+                   metrics_port: int | None = None, log_level: str = "INFO") -> NodeProc:
+        self._count += 1
+        name = name or f"stage{stage}-{self._count}"
+        port = metrics_port or free_port()
+        argv = ["--log-level", log_level, "run", "--local", "--manifest", self.manifest, "--stage", str(stage),
+                "--metrics-port", str(port), "--announce-every", str(self.announce_every),
+                "--torch-threads", str(self.torch_threads)]
+        if self.initial_peers:
+            argv += ["--initial-peers", *self.initial_peers]
+        if identity:
+            argv += ["--identity", identity]
+        if checkpoint_dir:
+            argv += ["--checkpoint-dir", checkpoint_dir]
+        argv += self.node_args + list(extra or [])
+        node = self._spawn(name, argv)
+        node.stage = int(stage) if str(stage).isdigit() else None
+        node.metrics_port = port
+        self.nodes.append(node)
+        return node
+
+    def wait_ready(self, nodes: list[NodeProc] | None = None, timeout: float = 120.0) -> None:
+        """Poll ``/readyz`` of ``nodes`` (default: all) until every one is online."""
+        pending = list(nodes if nodes is not None else self.nodes)
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for n in list(pending):
+                if n.proc.poll() is not None:
+                    raise RuntimeError(f"{n.name} exited with {n.proc.returncode}:\n{n.output()}\n{n.logs()[-4000:]}")
+                if self.get(n, "/readyz")[0] == 200:
+                    pending.remove(n)
+            time.sleep(0.2)
+        if pending:
+            names = ", ".join(n.name for n in pending)
+            tails = "\n".join(f"--- {n.name}\n{n.logs()[-3000:]}" for n in pending)
+            raise TimeoutError(f"not ready after {timeout:.0f} s: {names}\n{tails}")
+
+    # ---- observation
+
+    def get(self, node: NodeProc, path: str, timeout: float = 3.0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(node.url + path, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError, TimeoutError):
+            return 0, ""
+
+    def metrics(self, node: NodeProc) -> dict[str, float]:
+        status, text = self.get(node, "/metrics")
+        return parse_metrics(text) if status == 200 else {}
+
+    def value(self, node: NodeProc, name: str, **labels) -> float:
+        return metric_sum(self.metrics(node), name, **labels)
+
+    def alive(self) -> list[NodeProc]:
+        return [n for n in self.nodes if n.proc.poll() is None]
+
+    # ---- stopping
+
+    def stop(self, node: NodeProc, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Signal ``node`` and wait for it; returns its exit status (None if it did not exit)."""
+        if node.proc.poll() is None:
+            try:
+                node.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        try:
+            return node.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self, node: NodeProc) -> None:
+        """``kill -9`` the node's whole process group (the node, its DHT child and its p2pd)."""
+        try:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        node.proc.wait(10)
+
+    def _reap_group(self, node: NodeProc) -> None:
+        try:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self, timeout: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM every process (nodes first, then the bootstrap), wait, SIGKILL what is left."""
+        codes: dict[str, int | None] = {}
+        procs = [n for n in self.nodes] + ([self.bootstrap] if self.bootstrap else [])
+        for n in procs[:-1] if self.bootstrap else procs:
+            if n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            try:
+                codes[n.name] = n.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[n.name] = None
+        if self.bootstrap is not None:
+            codes["bootstrap"] = self.stop(self.bootstrap, timeout=max(5.0, deadline - time.monotonic()))
+        for n in procs:
+            self._reap_group(n)
+            if n.proc.poll() is None:
+                n.proc.wait(5)
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return codes
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def p2pd_pids_of(pids: list[int]) -> list[int]:
+    """Running p2pd processes whose session is one of ``pids`` (our nodes are session leaders)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.find(b"(") + 1: stat.rfind(b")")]
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if comm == b"p2pd" and len(fields) > 3 and int(fields[3]) in pids and fields[0] != b"Z":
+            out.append(int(entry))
+    return out
+
+
+# ---------------------------------------------------------------- the demo command
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--manifest", default="default", help="run manifest (default: the shipped default run)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas of each middle stage (default 1)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="stop after the tail reaches this many steps (default: the manifest's train.steps)")
+    p.add_argument("--workdir", default="", help="keep logs and checkpoints here (default: a temp dir, removed)")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch threads per node (default 1)")
+
+
+def main(args) -> int:
+    from stages.manifest import ManifestError, load_manifest
+
+    try:
+        m = load_manifest(args.manifest)
+    except ManifestError as e:
+        raise CliError(f"--manifest {args.manifest}: {e}") from None
+    if args.replicas < 1:
+        raise CliError(f"--replicas must be >= 1, got {args.replicas}")
+    steps = args.steps or m.train.steps
+    swarm = LocalSwarm(args.manifest, workdir=args.workdir or None, torch_threads=args.torch_threads)
+    interrupted = False
+
+    def on_sigint(signum, frame):
+        nonlocal interrupted
+        interrupted = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigint)
+    try:
+        print(f"swarm-node demo: run {m.run.id}, {m.n_stages} stages, layout {list(map(list, m.stages.layout))}, "
+              f"k={m.k}; logs in {swarm.workdir}", flush=True)
+        swarm.start_bootstrap()
+        print(f"bootstrap peer: {swarm.initial_peers[0]}", flush=True)
+        nodes = []
+        for s in range(m.n_stages):
+            reps = args.replicas if 0 < s < m.n_stages - 1 else 1
+            for r in range(reps):
+                nodes.append(swarm.start_node(s, name=f"stage{s}" + (f"-{r}" if reps > 1 else "")))
+        swarm.wait_ready(timeout=300)
+        for n in nodes:
+            print(f"  {n.name:<10} metrics {n.url}/metrics", flush=True)
+        head, tail = nodes[0], nodes[-1]
+        t0, shown = time.monotonic(), None
+        live = sys.stdout.isatty()
+        while not interrupted:
+            mt = swarm.metrics(tail)
+            step = int(metric_sum(mt, "swarm_node_steps_total"))
+            loss = mt.get("swarm_node_loss_ema")
+            tps = mt.get("swarm_node_tokens_per_second", 0.0)
+            tokens = swarm.value(head, "swarm_node_tokens_total")
+            wire = sum(metric_sum(swarm.metrics(n), "swarm_node_wire_bytes_total", direction="out", protocol=p)
+                       for n in nodes for p in ("fwd", "bwd"))
+            bpt = wire / tokens if tokens else 0.0
+            line = (f"step {step:5d}/{steps}  loss {loss if loss is not None else float('nan'):6.3f}  "
+                    f"{tps:8.0f} tok/s  {bpt:6.1f} wire B/token  {time.monotonic() - t0:6.0f} s")
+            if live:
+                print("\r" + line, end="", flush=True)
+            elif step != shown and (shown is None or step - shown >= 10 or step >= steps):
+                print(line, flush=True)
+                shown = step
+            if step >= steps:
+                break
+            if not swarm.alive():
+                print("\nswarm-node demo: every node exited", file=sys.stderr)
+                break
+            time.sleep(1.0)
+        if live:
+            print()
+        print("swarm-node demo: stopping the swarm (SIGTERM: drain, checkpoint, leave)", flush=True)
+        codes = swarm.close()
+        bad = {k: v for k, v in codes.items() if v not in (0, None)}
+        print(f"swarm-node demo: done ({json.dumps(codes)})", flush=True)
+        return 1 if bad else 0
+    finally:
+        swarm.close() if swarm.alive() or (swarm.bootstrap and swarm.bootstrap.proc.poll() is None) else None
+        signal.signal(signal.SIGINT, previous)

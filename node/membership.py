@@ -1,0 +1,376 @@
+"""Membership: who is in the swarm, which stage each peer holds, and whether we may join.
+
+Everything lives in ``hivemind.DHT`` under two keys per run:
+
+``swarm-node/<run>/manifest``
+    ``{hash, manifest, protocol}``: the consensus fields of the run manifest and their hash. The
+    first node of a run publishes it; every later node compares its own manifest against it and
+    refuses to join on a mismatch, naming the differing fields (``diff_manifests``), which is
+    why the whole consensus dict is published, not only its hash. Online nodes refresh it.
+
+``swarm-node/<run>/peers``
+    one subkey per peer, holding ``{peer_id, stage, state, throughput, queue, version, protocol,
+    maddrs, time}``. Subkeys carry the writer's RSA public key and values its signature
+    (hivemind's ``RSASignatureValidator``), so only a peer can write or refresh its own entry.
+    Entries expire ``ttl`` seconds after their last refresh, so a peer that vanishes (kill -9,
+    cable cut) drops out of everyone's view on its own.
+
+The DHT runs in a child process (hivemind's design) that starts its own ``p2pd``. The node's
+stream transport shares that daemon through ``await dht.replicate_p2p()``. ``SwarmDHT`` makes
+both children die with the node even on ``kill -9`` (Linux parent-death signal), so a crashed
+node never leaves a ``p2pd`` behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils import get_dht_time
+
+from stages.manifest import (
+    PROTOCOL_VERSION,
+    Manifest,
+    ManifestError,
+    consensus_dict,
+    diff_manifests,
+    manifest_from_dict,
+    manifest_hash,
+)
+
+log = logging.getLogger("swarm_node.membership")
+
+STATES = ("joining", "online", "draining", "offline")
+
+
+class BootstrapError(Exception):
+    """No initial peer answered; the message names them and the fix."""
+
+
+class IdentityInUse(Exception):
+    """Another online peer already uses this identity key."""
+
+
+class ManifestMismatch(Exception):
+    """Our manifest differs from the swarm's; ``fields`` names the differing consensus fields."""
+
+    def __init__(self, run: str, fields: list[str], theirs: str, ours: str):
+        self.fields, self.theirs, self.ours = fields, theirs, ours
+        shown = ", ".join(fields) if fields else "(unreadable published manifest)"
+        super().__init__(
+            f"manifest mismatch for run {run!r}: this node's manifest differs from the swarm's in {shown} "
+            f"(swarm hash {theirs[:12]}, ours {ours[:12]}); use the swarm's manifest file"
+        )
+
+
+# ---------------------------------------------------------------- the DHT process
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may contain spaces, so split after the last ')'
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: a crashed parent may leave the DHT behind
+        pass
+
+
+_DEATH_SIGNAL = signal.SIGUSR2
+
+
+class SwarmDHT(hivemind.DHT):
+    """``hivemind.DHT`` whose child process (and its ``p2pd``) dies with the node.
+
+    Must be started from the main thread: the parent-death signal fires when the *thread* that
+    forked the child exits.
+    """
+
+    def run(self) -> None:
+        parent = self._parent_pid
+        # Our own process group: a signal to the node's group (Ctrl-C in a terminal, `timeout`,
+        # systemd) must not kill the DHT or its p2pd under the node's feet; the node stops them in
+        # order. If the node itself dies, the parent-death signal takes them down.
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+
+        def on_parent_death(signum, frame):
+            for child in _children_of(os.getpid()):  # our p2pd
+                try:
+                    os.kill(child, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            os._exit(0)
+
+        signal.signal(_DEATH_SIGNAL, on_parent_death)
+        signal.signal(signal.SIGTERM, on_parent_death)
+        _set_parent_death_signal(_DEATH_SIGNAL)
+        if os.getppid() != parent:  # the node died before we set the signal
+            on_parent_death(_DEATH_SIGNAL, None)
+        super().run()
+
+
+def p2p_options(local: bool) -> dict:
+    """hivemind P2P options: loopback swarms switch off NAT port mapping, relays and AutoNAT."""
+    if local:
+        return dict(use_relay=False, use_auto_relay=False, auto_nat=False, nat_port_map=False)
+    return dict(use_relay=True, use_auto_relay=False, auto_nat=True, nat_port_map=True)
+
+
+def start_dht(
+    initial_peers: list[str],
+    host_maddrs: list[str],
+    announce_maddrs: list[str] | None = None,
+    identity_path: str | None = None,
+    local: bool = False,
+    retries: int = 4,
+    timeout: float = 15.0,
+    retry_delay: float = 1.0,
+) -> SwarmDHT:
+    """Start the DHT (and its p2pd), bootstrapping from ``initial_peers`` with retries.
+
+    Raises ``BootstrapError`` naming the peers and the fix when none answers after ``retries``
+    attempts, ``IdentityInUse`` when the key's peer id is already online. Call from the main thread.
+    """
+    kwargs = dict(
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs or None,
+        identity_path=identity_path or None,
+        record_validators=[RSASignatureValidator()],
+        startup_timeout=timeout,
+        bootstrap_timeout=min(timeout, 5.0),
+        wait_timeout=3,
+        shutdown_timeout=5,
+        **p2p_options(local),
+    )
+    last: Exception | None = None
+    for attempt in range(max(1, retries)):
+        dht = SwarmDHT(initial_peers=initial_peers or None, start=False, **kwargs)
+        try:
+            dht.run_in_background(await_ready=True, timeout=timeout + 5)
+            return dht
+        except Exception as e:  # noqa: BLE001 - classified below, re-raised with the fix
+            last = e
+            _stop(dht)
+            text = str(e)
+            if "already taken" in text or "identity" in text.lower() and "taken" in text.lower():
+                raise IdentityInUse(
+                    f"identity {identity_path} is already online in this swarm (peer id in use); "
+                    "stop the other node or use another key (swarm-node keygen)"
+                ) from None
+            if isinstance(e, P2PDaemonError) and "listen" in text.lower() and "address" in text.lower():
+                raise
+            if not initial_peers:
+                raise
+            log.warning("bootstrap attempt %d/%d failed: %s", attempt + 1, retries, text.strip()[:200])
+            if attempt + 1 < retries:
+                time.sleep(retry_delay * 2**attempt)
+    shown = " ".join(initial_peers)
+    raise BootstrapError(
+        f"could not reach any initial peer after {retries} attempts: {shown} "
+        f"({str(last).strip()[:120]}); check that the bootstrap peer is running and the multiaddr "
+        "(address, port and /p2p/ id) is what `swarm-node bootstrap` printed"
+    )
+
+
+def _stop(dht: hivemind.DHT) -> None:
+    try:
+        if dht.is_alive():
+            dht.shutdown()
+    except Exception:  # noqa: BLE001 - best effort on a failed start
+        pass
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(3)
+
+
+def stop_dht(dht: hivemind.DHT, timeout: float = 5.0) -> None:
+    """Shut the DHT process and its p2pd down; kill leftovers by pid if they do not go in time."""
+    pid = dht.pid
+    daemons = _children_of(pid) if pid else []
+    try:
+        dht.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(timeout)
+    deadline = time.monotonic() + timeout
+    for d in daemons:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(d, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            try:
+                os.kill(d, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass
+class PeerRecord:
+    """One peer's announcement, as read from the DHT."""
+
+    peer_id: str
+    stage: int
+    state: str
+    throughput: float = 0.0  # tokens/s this peer trained on recently
+    queue: int = 0  # requests waiting for its compute
+    version: int = 0  # its optimizer step count
+    protocol: int = PROTOCOL_VERSION
+    maddrs: list[str] = field(default_factory=list)
+    time: float = 0.0
+    expiration: float = 0.0
+
+    def to_value(self) -> dict:
+        return {
+            "peer_id": self.peer_id, "stage": self.stage, "state": self.state,
+            "throughput": float(self.throughput), "queue": int(self.queue), "version": int(self.version),
+            "protocol": int(self.protocol), "maddrs": list(self.maddrs), "time": float(self.time),
+        }
+
+    @classmethod
+    def from_value(cls, value: object, expiration: float = 0.0) -> PeerRecord | None:
+        """Parse an announcement; ``None`` for anything malformed (never trust the DHT)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            rec = cls(
+                peer_id=str(value["peer_id"]), stage=int(value["stage"]), state=str(value["state"]),
+                throughput=float(value.get("throughput", 0.0)), queue=int(value.get("queue", 0)),
+                version=int(value.get("version", 0)), protocol=int(value.get("protocol", 0)),
+                maddrs=[str(m) for m in value.get("maddrs", [])][:16], time=float(value.get("time", 0.0)),
+                expiration=float(expiration),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        if rec.state not in STATES or rec.stage < 0 or not rec.peer_id or rec.throughput < 0:
+            return None
+        return rec
+
+
+def choose_stage(records: list[PeerRecord], n_stages: int) -> int:
+    """``--stage auto``: the stage with the least announced throughput among joining/online peers;
+    ties go to the stage with fewer peers, then the lower index."""
+    tput = [0.0] * n_stages
+    count = [0] * n_stages
+    for r in records:
+        if r.state in ("joining", "online") and 0 <= r.stage < n_stages:
+            tput[r.stage] += r.throughput
+            count[r.stage] += 1
+    return min(range(n_stages), key=lambda s: (tput[s], count[s], s))
+
+
+class Membership:
+    """Reads and writes this run's records in the DHT. Sync methods block (startup), ``a*`` methods
+    are for the event loop."""
+
+    def __init__(self, dht: hivemind.DHT, manifest: Manifest, ttl: float = 20.0):
+        self.dht = dht
+        self.manifest = manifest
+        self.run = manifest.run.id
+        self.hash = manifest_hash(manifest)
+        self.ttl = ttl
+        self.key_manifest = f"swarm-node/{self.run}/manifest"
+        self.key_peers = f"swarm-node/{self.run}/peers"
+        self.subkey = RSASignatureValidator().local_public_key  # process-wide key, shared with the DHT child
+
+    # ---- manifest
+
+    def _manifest_value(self) -> dict:
+        return {"hash": self.hash, "manifest": consensus_dict(self.manifest), "protocol": PROTOCOL_VERSION}
+
+    def _check_published(self, found) -> bool:
+        if found is None or not isinstance(found.value, dict):
+            return False
+        theirs = found.value
+        their_hash = str(theirs.get("hash", ""))
+        if their_hash == self.hash:
+            return True
+        fields: list[str] = []
+        try:
+            other = manifest_from_dict(theirs.get("manifest", {}))
+            fields = diff_manifests(other, self.manifest)
+        except (ManifestError, TypeError, ValueError) as e:
+            log.warning("the swarm's published manifest does not parse here: %s", e)
+        raise ManifestMismatch(self.run, fields, their_hash, self.hash)
+
+    def check_and_publish_manifest(self) -> bool:
+        """Raise ``ManifestMismatch`` if the swarm runs a different manifest; publish ours if none is
+        published yet. Returns True when the swarm already had (our) manifest."""
+        found = self.dht.get(self.key_manifest, latest=True)
+        if self._check_published(found):
+            return True
+        self.dht.store(self.key_manifest, self._manifest_value(), get_dht_time() + self.ttl * 3)
+        return False
+
+    async def arefresh_manifest(self, timeout: float = 10.0) -> None:
+        found = await asyncio.wait_for(self.dht.get(self.key_manifest, latest=True, return_future=True), timeout)
+        self._check_published(found)
+        await asyncio.wait_for(self.dht.store(self.key_manifest, self._manifest_value(),
+                                              get_dht_time() + self.ttl * 3, return_future=True), timeout)
+
+    # ---- peers
+
+    def _parse_peers(self, found) -> list[PeerRecord]:
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = {}
+        for entry in found.value.values():
+            value = getattr(entry, "value", None)
+            rec = PeerRecord.from_value(value, getattr(entry, "expiration_time", 0.0))
+            if rec is None or rec.protocol != PROTOCOL_VERSION:
+                continue
+            prev = out.get(rec.peer_id)
+            if prev is None or rec.time > prev.time:
+                out[rec.peer_id] = rec
+        return list(out.values())
+
+    def peers(self) -> list[PeerRecord]:
+        return self._parse_peers(self.dht.get(self.key_peers, latest=True))
+
+    async def apeers(self, timeout: float = 10.0) -> list[PeerRecord]:
+        found = await asyncio.wait_for(self.dht.get(self.key_peers, latest=True, return_future=True), timeout)
+        return self._parse_peers(found)
+
+    def announce(self, record: PeerRecord) -> bool:
+        record.time = time.time()
+        return bool(self.dht.store(self.key_peers, record.to_value(), get_dht_time() + self.ttl,
+                                   subkey=self.subkey))
+
+    async def aannounce(self, record: PeerRecord, ttl: float | None = None, timeout: float = 10.0) -> bool:
+        record.time = time.time()
+        fut = self.dht.store(self.key_peers, record.to_value(), get_dht_time() + (ttl or self.ttl),
+                             subkey=self.subkey, return_future=True)
+        return bool(await asyncio.wait_for(fut, timeout))

@@ -1,0 +1,188 @@
+"""Prometheus metrics and the node's tiny HTTP server: ``/metrics``, ``/healthz``, ``/readyz``.
+
+Every metric lives in the node's own ``CollectorRegistry`` (never the process-global one), so
+several nodes can run in one test process and nothing third-party leaks into the scrape. Names
+start with ``swarm_node_``; docs/METRICS.md is the operator's reference.
+
+The HTTP server runs in its own thread: a scrape must answer even while the event loop is busy,
+and ``/healthz`` is exactly the check that the event loop is *not* stuck: the loop stamps a
+heartbeat every second and ``/healthz`` fails when the stamp is older than ``stall_after`` s.
+``/readyz`` is 200 only while the node is ``online`` (joined, state downloaded, serving).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+STATES = ("starting", "joining", "online", "draining", "offline")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+
+
+class NodeMetrics:
+    """The node's metric families. Attributes are the prometheus_client objects themselves."""
+
+    def __init__(self, stage: int = -1, run: str = "", peer_labels: bool = False):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.peer_labels = peer_labels
+        ProcessCollector(registry=r, namespace="swarm_node")
+        self.info = Gauge("swarm_node_info", "Constant 1; labels say which run and stage this node holds",
+                          ["run", "stage", "role", "version"], registry=r)
+        self.state = Gauge("swarm_node_state", "1 for the node's current lifecycle state", ["state"], registry=r)
+        self.stage = Gauge("swarm_node_stage", "Pipeline stage index this node holds", registry=r)
+        self.steps = Counter("swarm_node_steps", "Optimizer steps applied by this stage", registry=r)
+        self.version = Gauge("swarm_node_version", "This stage's optimizer step count (sent on every frame)",
+                             registry=r)
+        self.loss = Gauge("swarm_node_loss", "Training loss of the last microbatch (tail stage only)", registry=r)
+        self.loss_ema = Gauge("swarm_node_loss_ema", "EMA (0.9) of the training loss (tail stage only)", registry=r)
+        self.tokens = Counter("swarm_node_tokens", "Tokens whose gradient this stage applied", registry=r)
+        self.tokens_per_s = Gauge("swarm_node_tokens_per_second",
+                                  "Tokens per second this stage trained on, over the last 10 s", registry=r)
+        self.microbatches = Counter("swarm_node_microbatches", "Microbatches by outcome", ["outcome"], registry=r)
+        self.inflight = Gauge("swarm_node_inflight_microbatches",
+                              "Microbatch contexts held waiting for their gradient", registry=r)
+        self.contexts_expired = Counter("swarm_node_contexts_expired",
+                                        "Microbatch contexts freed by the TTL (their gradient never came)",
+                                        registry=r)
+        self.queue_depth = Gauge("swarm_node_queue_depth", "Requests queued for compute", ["direction"], registry=r)
+        self.compute_seconds = Histogram("swarm_node_compute_seconds", "Compute time per microbatch",
+                                         ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.mb_rtt = Histogram("swarm_node_microbatch_rtt_seconds",
+                                "Head: time from sending a microbatch forward to applying its gradient",
+                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("swarm_node_request_seconds",
+                                         "Time for a peer to acknowledge a request", ["protocol"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("swarm_node_requests", "Outgoing requests by protocol and result",
+                                ["protocol", "result"], registry=r)
+        self.served = Counter("swarm_node_served", "Incoming requests by protocol and result",
+                              ["protocol", "result"], registry=r)
+        self.wire_bytes = Counter("swarm_node_wire_bytes", "Bytes on our stream protocols",
+                                  ["protocol", "direction"], registry=r)
+        self.staleness = Histogram("swarm_node_staleness_steps",
+                                   "Own optimizer steps between a microbatch's forward and its gradient",
+                                   buckets=_STALENESS_BUCKETS, registry=r)
+        self.version_gap = Histogram("swarm_node_sender_version_gap",
+                                     "This stage's version minus the sender's version on arrival",
+                                     buckets=(-64, -16, -4, -1, 0, 1, 4, 16, 64), registry=r)
+        self.verdicts = Counter("swarm_node_verifier_verdicts", "Verifier verdicts on accepted tensors",
+                                ["direction", "verdict", "reason"], registry=r)
+        self.verify_seconds = Histogram("swarm_node_verifier_seconds", "Verifier time per tensor",
+                                        buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5), registry=r)
+        self.banned_peers = Gauge("swarm_node_banned_peers", "Peers currently banned by routing", registry=r)
+        self.bans = Counter("swarm_node_bans", "Peers banned by routing (failures, timeouts, verifier)",
+                            ["cause"], registry=r)
+        self.peers = Gauge("swarm_node_peers", "Online peers seen per stage in the DHT", ["stage"], registry=r)
+        self.checkpoint_step = Gauge("swarm_node_checkpoint_step", "Step of the newest checkpoint written",
+                                     registry=r)
+        self.checkpoint_time = Gauge("swarm_node_checkpoint_timestamp_seconds",
+                                     "Unix time of the newest checkpoint written", registry=r)
+        self.state_sync_bytes = Counter("swarm_node_state_sync_bytes", "Stage state bytes sent/received by joiners",
+                                        ["direction"], registry=r)
+        self.uptime_start = Gauge("swarm_node_start_time_seconds", "Unix time the node started", registry=r)
+        self.uptime_start.set(time.time())
+        self.set_state("starting")
+        self.set_stage(stage, run)
+
+    def set_stage(self, stage: int, run: str, role: str = "", version: str = "1") -> None:
+        self.stage.set(stage)
+        self.info.clear()
+        self.info.labels(run=run, stage=str(stage), role=role, version=version).set(1)
+
+    def set_state(self, state: str) -> None:
+        for s in STATES:
+            self.state.labels(state=s).set(1.0 if s == state else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on a thread; ``port=0`` picks a free port."""
+
+    def __init__(self, metrics: NodeMetrics, host: str = "127.0.0.1", port: int = 9100,
+                 stall_after: float = 15.0):
+        self.metrics = metrics
+        self.stall_after = stall_after
+        self.ready = False
+        self.state = "starting"
+        self.heartbeat = time.monotonic()
+        self.details: dict = {}
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, status, ctype = owner.metrics.render(), 200, CONTENT_TYPE_LATEST
+                elif path == "/healthz":
+                    age = time.monotonic() - owner.heartbeat
+                    ok = age < owner.stall_after
+                    body = json.dumps({"ok": ok, "loop_heartbeat_age_s": round(age, 3),
+                                       "state": owner.state}).encode()
+                    status, ctype = (200 if ok else 503), "application/json"
+                elif path == "/readyz":
+                    body = json.dumps({"ready": owner.ready, "state": owner.state, **owner.details}).encode()
+                    status, ctype = (200 if owner.ready else 503), "application/json"
+                else:
+                    body, status, ctype = b"not found: try /metrics, /healthz, /readyz\n", 404, "text/plain"
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # scrapes are not log lines
+                pass
+
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(host, port) from None
+            raise
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.host = host
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def beat(self) -> None:
+        self.heartbeat = time.monotonic()
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.ready = state == "online"
+        self.metrics.set_state(state)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class PortInUse(OSError):
+    def __init__(self, host: str, port: int):
+        super().__init__(errno.EADDRINUSE, f"{host}:{port} is in use")
+        self.host, self.port = host, port

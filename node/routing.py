@@ -1,0 +1,177 @@
+"""Routing: which replica of the next stage gets a microbatch, and which peers to avoid for now.
+
+Pure bookkeeping (no I/O, no asyncio), so every rule is a unit test.
+
+Candidates are the peers the DHT says are ``online`` in the wanted stage, minus banned ones and
+minus ourselves. Each gets an expected wait::
+
+    score = (queue + outstanding + 1) / capacity
+
+``queue`` is the peer's compute queue as it last told us (acks carry it, announcements too),
+``outstanding`` the microbatches we sent it whose gradient has not come back yet, ``capacity``
+its announced tokens/s, floored at the median of its stage so a replica that just joined (0
+tokens/s announced) is treated as an average one rather than starved or flooded. The lowest
+score wins; ties are broken at random so equal replicas share the load.
+
+Failures ban a peer with exponential backoff: ``base · 2^(strikes-1)`` seconds, capped at
+``max_ban``. A success clears the strikes. Bans for cause (the verifier flagged the peer,
+it speaks another run) use an explicit duration.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PeerState:
+    peer_id: str
+    stage: int
+    state: str = "online"
+    throughput: float = 0.0
+    queue: int = 0
+    version: int = 0
+    maddrs: list[str] = field(default_factory=list)
+    outstanding: int = 0  # our microbatches at this peer, gradient not back yet
+    rtt_ema: float | None = None  # seconds for an ack
+    strikes: int = 0
+    banned_until: float = 0.0
+    ban_cause: str = ""
+    in_dht: bool = True
+
+
+class Router:
+    """Per-node view of the other peers: stages, load, bans."""
+
+    def __init__(self, self_peer: str = "", *, ban_base: float = 2.0, max_ban: float = 120.0,
+                 rng: random.Random | None = None, clock=time.monotonic):
+        self.self_peer = self_peer
+        self.ban_base, self.max_ban = ban_base, max_ban
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self.peers: dict[str, PeerState] = {}
+        self.bans_total: dict[str, int] = {}
+
+    # ---- membership
+
+    def update(self, records) -> None:
+        """Replace the DHT view with ``records`` (``membership.PeerRecord``-like objects). Local
+        measurements and bans of peers still present are kept; a banned peer that left the DHT
+        is remembered until its ban ends."""
+        seen = set()
+        for r in records:
+            if r.peer_id == self.self_peer:
+                continue
+            seen.add(r.peer_id)
+            p = self.peers.get(r.peer_id)
+            if p is None:
+                p = self.peers[r.peer_id] = PeerState(r.peer_id, r.stage)
+            if p.stage != r.stage:  # it changed stage: old local load figures mean nothing
+                p.outstanding, p.rtt_ema = 0, None
+            p.stage, p.state, p.throughput = r.stage, r.state, float(r.throughput)
+            p.queue, p.version, p.maddrs, p.in_dht = int(r.queue), int(r.version), list(r.maddrs), True
+        now = self.clock()
+        for pid in list(self.peers):
+            if pid not in seen:
+                p = self.peers[pid]
+                if p.banned_until > now:
+                    p.in_dht = False
+                else:
+                    del self.peers[pid]
+
+    def stage_peers(self, stage: int, include_banned: bool = False) -> list[PeerState]:
+        now = self.clock()
+        return [
+            p for p in self.peers.values()
+            if p.stage == stage and p.in_dht and p.state == "online"
+            and (include_banned or p.banned_until <= now)
+        ]
+
+    def count_by_stage(self, n_stages: int) -> list[int]:
+        """Online peers per stage as seen in the DHT (ourselves not included)."""
+        out = [0] * n_stages
+        for p in self.peers.values():
+            if p.in_dht and p.state == "online" and 0 <= p.stage < n_stages:
+                out[p.stage] += 1
+        return out
+
+    # ---- choice
+
+    def score(self, p: PeerState, floor: float) -> float:
+        capacity = max(p.throughput, floor, 1e-9)
+        return (p.queue + p.outstanding + 1) / capacity
+
+    def choose(self, stage: int, exclude=()) -> str | None:
+        """The replica of ``stage`` with the shortest expected wait, or None if there is none."""
+        cands = [p for p in self.stage_peers(stage) if p.peer_id not in exclude]
+        if not cands:
+            return None
+        tputs = [p.throughput for p in self.stage_peers(stage, include_banned=True) if p.throughput > 0]
+        floor = statistics.median(tputs) if tputs else 1.0
+        scored = [(self.score(p, floor), self.rng.random(), p.peer_id) for p in cands]
+        return min(scored)[2]
+
+    # ---- outcomes
+
+    def _get(self, peer: str) -> PeerState | None:
+        return self.peers.get(peer)
+
+    def on_sent(self, peer: str) -> None:
+        p = self._get(peer)
+        if p is not None:
+            p.outstanding += 1
+
+    def on_done(self, peer: str) -> None:
+        """A microbatch we sent ``peer`` came back (or was given up)."""
+        p = self._get(peer)
+        if p is not None and p.outstanding > 0:
+            p.outstanding -= 1
+
+    def on_ack(self, peer: str, rtt: float, queue: int | None = None) -> None:
+        p = self._get(peer)
+        if p is None:
+            return
+        p.strikes = 0
+        p.rtt_ema = rtt if p.rtt_ema is None else 0.8 * p.rtt_ema + 0.2 * rtt
+        if queue is not None:
+            p.queue = int(queue)
+
+    def on_busy(self, peer: str) -> None:
+        """``busy`` is backpressure, not a fault: count its queue as full until the next ack."""
+        p = self._get(peer)
+        if p is not None:
+            p.queue = max(p.queue + 1, 1)
+
+    def on_failure(self, peer: str, cause: str = "failure") -> float:
+        """Unreachable / timed out / broken reply: ban for ``base · 2^(strikes-1)`` s. Returns the ban."""
+        p = self._get(peer)
+        if p is None:
+            p = self.peers[peer] = PeerState(peer, -1, in_dht=False)
+        p.strikes += 1
+        seconds = min(self.max_ban, self.ban_base * 2 ** (p.strikes - 1))
+        self._ban(p, seconds, cause)
+        return seconds
+
+    def ban(self, peer: str, seconds: float, cause: str) -> None:
+        """Ban for cause (verifier flags, wrong run) for ``seconds``."""
+        p = self._get(peer)
+        if p is None:
+            p = self.peers[peer] = PeerState(peer, -1, in_dht=False)
+        self._ban(p, seconds, cause)
+
+    def _ban(self, p: PeerState, seconds: float, cause: str) -> None:
+        p.banned_until = max(p.banned_until, self.clock() + seconds)
+        p.ban_cause = cause
+        p.outstanding = 0
+        self.bans_total[cause] = self.bans_total.get(cause, 0) + 1
+
+    def is_banned(self, peer: str) -> bool:
+        p = self._get(peer)
+        return p is not None and p.banned_until > self.clock()
+
+    def banned(self) -> list[str]:
+        now = self.clock()
+        return [p.peer_id for p in self.peers.values() if p.banned_until > now]

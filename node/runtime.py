@@ -1,0 +1,861 @@
+"""Stage runtime: one pipeline stage trained asynchronously from the frames that reach it.
+
+Read with DESIGN.md, "One microbatch through the swarm". Per node:
+
+- **Compute** runs in ONE worker thread (``ComputeWorker``), never on the event loop; it takes
+  control jobs first, then gradients, then forwards, so work already paid for downstream is
+  finished before new work starts and a stage's memory (stored inputs) drains first.
+- **Inbound queues are bounded**: a ``fwd`` that finds ``queue_size`` forwards waiting is
+  answered ``busy`` at once, and the sender's router tries another replica.
+- **Every accepted tensor passes the verifier first** (activations on ``fwd``, gradients on
+  ``bwd``), off the event loop on its own thread; verdicts are counted by reason, and a sender
+  flagged ``sentinel.flags_to_ban`` times is banned.
+- **Contexts**: for a microbatch in flight a stage keeps only its input, its route, the weights
+  version it was forwarded with (``stages.asyncmesh.StageWeights``, the look-ahead snapshot the
+  backward must recompute with) and the peer it went to. Each context has a TTL; a context whose
+  next hop stops answering (health probe) is dropped at once, and every drop sends a ``skip``
+  upstream so the stages before free theirs too. Nothing waits forever and nothing leaks.
+- **Head** stages draw microbatches from their own data shard and keep at most ``max_inflight``
+  in flight (``StepPolicy``); the **tail** computes the loss from the token ids carried in the
+  ``fwd`` frame and starts the backward; gradients go back along the recorded route.
+- **Steps**: each gradient is applied as it arrives (after ``grad_accum`` of them), no flush;
+  every frame carries the sender's optimizer version and the staleness τ (own steps between a
+  microbatch's forward and its gradient) is measured. ``asyncmesh.mode`` picks plain async,
+  look-ahead or GPipe (``stages.asyncmesh.LookaheadForward``). After each step the replica
+  averager (``node.averaging``), when configured, gets its chance to average in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from node.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable
+from protocol.frames import ProtocolError, Reason
+from protocol.messages import (
+    Expect,
+    make_ack,
+    make_bwd,
+    make_fwd,
+    make_health,
+    make_health_request,
+    make_reject,
+    validate_bwd,
+    validate_fwd,
+    validate_health_request,
+)
+from stages.asyncmesh import LookaheadForward, StageWeights, StepPolicy
+from stages.manifest import Manifest, manifest_hash
+from stages.model import lm_loss
+from stages.optim import lr_at, set_lr
+
+log = logging.getLogger("swarm_node.runtime")
+
+_MAX_U64 = 2**64 - 1
+
+
+class QueueFull(Exception):
+    """The compute queue for this kind of job is at its bound."""
+
+
+class ComputeWorker:
+    """One thread for all torch work. Jobs are ``fn(*args)``; results come back as asyncio futures.
+
+    Priority: ``ctl`` (state snapshots, checkpoints) > ``bwd`` > ``fwd``. ``bound`` limits how many
+    jobs of a kind may wait (``None``: unbounded); ``submit`` raises ``QueueFull`` beyond it.
+    """
+
+    KINDS = ("ctl", "bwd", "fwd")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "compute"):
+        self.loop = loop
+        self._cv = threading.Condition()
+        self._queues: dict[str, collections.deque] = {k: collections.deque() for k in self.KINDS}
+        self._stopped = False
+        self.busy_s = 0.0
+        self.current: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def depth(self, kind: str) -> int:
+        return len(self._queues[kind])
+
+    def submit(self, kind: str, fn: Callable, *args, bound: int | None = None) -> asyncio.Future:
+        fut = self.loop.create_future()
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("the compute worker is stopped")
+            if bound is not None and len(self._queues[kind]) >= bound:
+                raise QueueFull(kind)
+            self._queues[kind].append((fut, fn, args))
+            self._cv.notify()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not any(self._queues.values()):
+                    self._cv.wait()
+                if self._stopped:
+                    pending = [j for q in self._queues.values() for j in q]
+                    for q in self._queues.values():
+                        q.clear()
+                    break
+                kind = next(k for k in self.KINDS if self._queues[k])
+                fut, fn, args = self._queues[kind].popleft()
+                self.current = kind
+            t0 = time.perf_counter()
+            try:
+                result, ok = fn(*args), True
+            except BaseException as e:  # noqa: BLE001 - delivered to the awaiting coroutine
+                result, ok = e, False
+            self.busy_s += time.perf_counter() - t0
+            self.current = None
+            self._deliver(fut, ok, result)
+        for fut, _, _ in pending:
+            self._deliver(fut, False, RuntimeError("the compute worker stopped"))
+
+    def _deliver(self, fut: asyncio.Future, ok: bool, value: Any) -> None:
+        def resolve():
+            if fut.done():
+                return
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self.loop.call_soon_threadsafe(resolve)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+
+@dataclass(eq=False)
+class Context:
+    """What a stage keeps for one in-flight microbatch until its gradient arrives."""
+
+    mb: int
+    route: tuple[str, ...]  # peers of stages 0..self (self last)
+    x: torch.Tensor | None  # stage input (None at the head: ids are its input)
+    ids: torch.Tensor  # (B, L) int64 on the compute device
+    ids_wire: torch.Tensor  # (B, L) int32 on the CPU, what goes on the wire
+    weights: StageWeights  # the weights the forward used; the backward recomputes with them
+    version: int  # own optimizer version at forward time
+    created: float = field(default_factory=time.monotonic)
+    next_peer: str | None = None
+    sent_at: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.numel())
+
+
+@dataclass
+class RuntimeOptions:
+    queue_size: int = 8
+    context_ttl: float = 120.0
+    request_timeout: float = 20.0
+    max_inflight: int = 0  # 0: the manifest's
+    steps: int = 0  # head: stop injecting at this optimizer step (0: never)
+    checkpoint_every: int = 0  # 0: manifest
+    probe_after: float = 4.0  # seconds a context may wait before its next hop is health-probed
+    forward_deadline: float = 30.0  # seconds to find a replica that accepts a fwd
+    use_amp: bool = False
+    ban_flags_seconds: float = 600.0  # ban for verifier flags
+
+
+class StageRuntime:
+    """One stage: model, optimizer, look-ahead, compute worker, contexts, and the protocol handlers."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        index: int,
+        stage: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        transport,
+        router,
+        metrics,
+        verifier,
+        peer_id: str,
+        device: torch.device | str = "cpu",
+        options: RuntimeOptions | None = None,
+        batches=None,
+        averager=None,
+        checkpointer: Callable[[int, dict, dict], None] | None = None,
+        rng: random.Random | None = None,
+    ):
+        self.m = manifest
+        self.index = index
+        self.n_stages = manifest.n_stages
+        self.is_head, self.is_tail = index == 0, index == manifest.n_stages - 1
+        self.stage, self.optimizer = stage, optimizer
+        self.transport, self.router, self.metrics, self.verifier = transport, router, metrics, verifier
+        self.peer_id = peer_id
+        self.device = torch.device(device)
+        self.opt = options or RuntimeOptions()
+        self.batches = batches
+        self.averager = averager
+        self.checkpointer = checkpointer
+        self.rng = rng or random.Random()
+        self.run_id = manifest.run.id
+        self.mhash = manifest_hash(manifest)
+        max_inflight = self.opt.max_inflight or manifest.train.max_inflight
+        self.la = LookaheadForward(stage, optimizer, mode=manifest.asyncmesh.mode,
+                                   delay_ema=manifest.asyncmesh.delay_ema)
+        self.policy = StepPolicy(manifest.asyncmesh.mode, manifest.asyncmesh.gpipe_flush_every,
+                                 max_inflight, manifest.train.grad_accum)
+        self.checkpoint_every = self.opt.checkpoint_every or manifest.train.checkpoint_every
+        self.state = "starting"
+        self.contexts: dict[int, Context] = {}
+        self.inflight = 0  # head: microbatches injected and not yet finished
+        self._accum = 0  # gradients accumulated since the last step (worker thread)
+        self._pending: set[int] = set()  # mbs accepted and queued for compute
+        self._reserved = 0  # fwd slots held by requests under verification
+        self._tasks: set[asyncio.Task] = set()
+        self._probing: set[str] = set()
+        self._last_probe: dict[str, float] = {}
+        self._flags: dict[str, int] = collections.defaultdict(int)
+        self._tokens_window: collections.deque = collections.deque()
+        self._loss_ema: float | None = None
+        self.last_loss: float | None = None
+        self.loss_history: list[tuple[int, float]] = []
+        self.rtts: collections.deque = collections.deque(maxlen=2048)
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+        self.worker: ComputeWorker | None = None
+        self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
+        self._started = time.monotonic()
+        self.data_step = 0
+        B = manifest.data.batch_size
+        self.max_batch = max(4 * B, 64)
+        k, L = manifest.k, manifest.model.seq_len
+        self.expect_fwd = (Expect.fwd(self.run_id, self.mhash, index, k, self.max_batch, L)
+                           if index > 0 else None)
+        self.expect_bwd = (Expect.bwd(self.run_id, self.mhash, index, k, self.max_batch, L, self_peer=peer_id)
+                           if index < self.n_stages - 1 else None)
+        role = "head" if self.is_head else "tail" if self.is_tail else "body"
+        metrics.set_stage(index, self.run_id, role=role)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def version(self) -> int:
+        return self.la.version
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.metrics.set_state(state)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def start(self) -> None:
+        """Start the compute worker and serve our protocols (state stays as it is)."""
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.worker = ComputeWorker(loop, name=f"compute-stage{self.index}")
+        await self.transport.serve(FWD, self._on_fwd)
+        await self.transport.serve(BWD, self._on_bwd)
+        await self.transport.serve(HEALTH, self._on_health)
+        from node.state_sync import serve_state
+
+        await self.transport.serve_stream(STATE, lambda frame, peer: serve_state(self, frame, peer))
+        self.metrics.version.set(self.version)
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed: %r", task.exception(), exc_info=task.exception())
+
+    async def stop(self) -> None:
+        """Cancel background work and stop the worker (call after ``drain``)."""
+        self._stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking new work and wait (at most ``timeout`` s) for in-flight microbatches to finish.
+        Returns True when everything finished."""
+        self.set_state("draining")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = self.contexts or self._pending or self.inflight
+            if self.worker is not None:
+                busy = busy or self.worker.depth("fwd") or self.worker.depth("bwd")
+            if not busy:
+                return True
+            await asyncio.sleep(0.05)
+        for mb in list(self.contexts):
+            self._drop(mb, "draining")
+        return False
+
+    # ------------------------------------------------------------------ verification
+
+    async def _verify(self, peer: str, direction: str, tensor: torch.Tensor, version: int):
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        verdict = await loop.run_in_executor(self._verify_pool, self.verifier.verify, peer, direction, tensor,
+                                             version)
+        self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+        label = "accept" if verdict.accept else "reject"
+        self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
+        if not verdict.accept:
+            self._flags[peer] += 1
+            log.warning("verifier rejected %s from %s: %s (score %s)", direction, peer[-8:], verdict.reason,
+                        getattr(verdict, "score", None))
+            if self._flags[peer] >= self.m.sentinel.flags_to_ban and not self.router.is_banned(peer):
+                self.router.ban(peer, self.opt.ban_flags_seconds, "verifier")
+                self.metrics.bans.labels(cause="verifier").inc()
+                log.warning("banned %s after %d verifier flags", peer, self._flags[peer])
+        return verdict
+
+    # ------------------------------------------------------------------ inbound fwd
+
+    def _busy(self, mb: int | None, detail: str, retry_ms: int = 200) -> list:
+        return make_reject(Reason.BUSY, detail, mb=mb, retry_ms=retry_ms)
+
+    async def _on_fwd(self, frame, peer: str):
+        if self.expect_fwd is None:
+            raise ProtocolError(Reason.WRONG_STAGE, "this node holds stage 0 (the head); it takes no fwd")
+        self.expect_fwd.version = self.version
+        try:
+            fwd = validate_fwd(frame, self.expect_fwd, sender=peer)
+        except ProtocolError as e:
+            self.metrics.served.labels(protocol="fwd", result=e.reason.value).inc()
+            raise
+        if self.router.is_banned(peer) and self.router.peers[peer].ban_cause == "verifier":
+            self.metrics.served.labels(protocol="fwd", result="banned").inc()
+            return make_reject(Reason.BANNED, "this peer is banned here", mb=fwd.mb)
+        if self.state != "online":
+            self.metrics.served.labels(protocol="fwd", result="busy").inc()
+            return self._busy(fwd.mb, f"node is {self.state}", retry_ms=1000)
+        if fwd.mb in self._pending or fwd.mb in self.contexts:
+            return make_ack(fwd.mb, self.index, self.version, queue=self.worker.depth("fwd"))
+        if self.worker.depth("fwd") + self._reserved >= self.opt.queue_size:
+            self.metrics.served.labels(protocol="fwd", result="busy").inc()
+            return self._busy(fwd.mb, "compute queue full")
+        self.metrics.version_gap.observe(self.version - fwd.version)
+        self._reserved += 1
+        try:
+            verdict = await self._verify(peer, "act", fwd.c, fwd.version)
+        finally:
+            self._reserved -= 1
+        if not verdict.accept:
+            self.metrics.served.labels(protocol="fwd", result="rejected-by-verifier").inc()
+            return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=fwd.mb)
+        try:
+            fut = self.worker.submit("fwd", self._compute_fwd, fwd)
+        except QueueFull:
+            self.metrics.served.labels(protocol="fwd", result="busy").inc()
+            return self._busy(fwd.mb, "compute queue full")
+        self._pending.add(fwd.mb)
+        self.spawn(self._after_fwd(fut, fwd))
+        self.metrics.served.labels(protocol="fwd", result="ack").inc()
+        self._update_queue_gauges()
+        return make_ack(fwd.mb, self.index, self.version, queue=self.worker.depth("fwd"))
+
+    def _autocast(self):
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.opt.use_amp)
+
+    def _compute_fwd(self, fwd):
+        """Worker: body forward (store input) or tail forward+backward+step."""
+        t0 = time.perf_counter()
+        x = fwd.c.to(self.device, torch.float32)
+        ids = fwd.ids.to(self.device, torch.int64)
+        w = self.la.weights()
+        version = self.la.version
+        if self.is_tail:
+            with self._autocast():
+                out = self.la.backward(w, (x, ids), loss_fn=lambda logits: lm_loss(logits, ids))
+            grad = out.input_grads[0]
+            loss = float(out.loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"tail loss is {loss}")
+            self._after_backward(out.delay, ids.numel(), loss=loss)
+            self.metrics.compute_seconds.labels(kind="tail").observe(time.perf_counter() - t0)
+            return grad.detach().to("cpu", torch.float32), loss, w, version
+        with self._autocast():
+            code = self.la.forward(w, x, ids)
+        self.metrics.compute_seconds.labels(kind="fwd").observe(time.perf_counter() - t0)
+        return code.detach().to("cpu", torch.float32), x, ids, w, version
+
+    async def _after_fwd(self, fut: asyncio.Future, fwd) -> None:
+        try:
+            result = await fut
+        except Exception as e:  # noqa: BLE001
+            log.error("forward of mb %x failed: %r", fwd.mb, e)
+            self._pending.discard(fwd.mb)
+            self.metrics.microbatches.labels(outcome="failed").inc()
+            await self._send_bwd(fwd.mb, fwd.route + (self.peer_id,), skip=Reason.INTERNAL, detail=str(e)[:200])
+            return
+        self._pending.discard(fwd.mb)
+        self._update_queue_gauges()
+        if self.is_tail:
+            grad, loss, _, _ = result
+            self.metrics.microbatches.labels(outcome="done").inc()
+            await self._send_bwd(fwd.mb, fwd.route + (self.peer_id,), grad=grad)
+            return
+        code, x, ids, w, version = result
+        ctx = Context(fwd.mb, fwd.route + (self.peer_id,), x, ids, fwd.ids.to(torch.int32), w, version)
+        self.contexts[fwd.mb] = ctx
+        await self._send_fwd(ctx, code)
+
+    # ------------------------------------------------------------------ outbound fwd
+
+    async def _send_fwd(self, ctx: Context, code: torch.Tensor) -> bool:
+        """Send ``code`` to a replica of the next stage: retry elsewhere on busy/failure, drop at the deadline."""
+        frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version, ctx.route, code, ctx.ids_wire)
+        deadline = time.monotonic() + self.opt.forward_deadline
+        tried: set[str] = set()
+        backoff = 0.02
+        while time.monotonic() < deadline and ctx.mb in self.contexts and not self._stopping:
+            peer = self.router.choose(self.index + 1, exclude=tried)
+            if peer is None:
+                tried.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
+            t0 = time.monotonic()
+            ctx.next_peer = peer
+            self.router.on_sent(peer)
+            try:
+                reply = await self.transport.request(peer, FWD, frames, timeout=self.opt.request_timeout)
+            except PeerBusy:
+                self.router.on_done(peer)
+                self.router.on_busy(peer)
+                self.metrics.requests.labels(protocol="fwd", result="busy").inc()
+                tried.add(peer)
+                continue
+            except PeerRejected as e:
+                self.router.on_done(peer)
+                self.metrics.requests.labels(protocol="fwd", result=e.reason).inc()
+                if e.reason == Reason.REJECTED_BY_VERIFIER.value:
+                    # our own output was refused: do not push it elsewhere, tell upstream to skip it
+                    self._drop(ctx.mb, "rejected-downstream", skip=Reason.REJECTED_BY_VERIFIER)
+                    return False
+                log.warning("fwd mb %x rejected by %s: %s", ctx.mb, peer[-8:], e)
+                self.router.ban(peer, 30.0, e.reason)
+                self.metrics.bans.labels(cause=e.reason).inc()
+                tried.add(peer)
+                continue
+            except (asyncio.TimeoutError, PeerUnreachable, ConnectionError, OSError) as e:
+                # one broken stream is not a dead peer: try another replica, and let a health
+                # probe decide whether to ban this one and drop what we sent it
+                self.router.on_done(peer)
+                self.router.on_busy(peer)
+                self.metrics.requests.labels(protocol="fwd", result="failed").inc()
+                log.info("fwd mb %x to %s failed: %r; probing it", ctx.mb, peer[-8:], e)
+                self.suspect(peer)
+                tried.add(peer)
+                continue
+            rtt = time.monotonic() - t0
+            self.metrics.request_seconds.labels(protocol="fwd").observe(rtt)
+            self.metrics.requests.labels(protocol="fwd", result="ack").inc()
+            self.router.on_ack(peer, rtt, reply.header.get("queue"))
+            ctx.sent_at = time.monotonic()
+            if ctx.mb not in self.contexts:  # dropped while the request was out (e.g. peer banned)
+                return False
+            return True
+        if ctx.mb in self.contexts:
+            self._drop(ctx.mb, "no-next-hop", skip=Reason.BUSY)
+        return False
+
+    def _peer_failed(self, peer: str, protocol: str, err: BaseException) -> None:
+        seconds = self.router.on_failure(peer, "unreachable")
+        self.metrics.requests.labels(protocol=protocol, result="failed").inc()
+        self.metrics.bans.labels(cause="unreachable").inc()
+        log.warning("%s to %s failed (%s); banned for %.0f s", protocol, peer[-8:], type(err).__name__, seconds)
+        for mb, ctx in list(self.contexts.items()):
+            if ctx.next_peer == peer and ctx.sent_at:
+                self._drop(mb, "next-hop-lost", skip=Reason.INTERNAL)
+
+    # ------------------------------------------------------------------ inbound bwd
+
+    async def _on_bwd(self, frame, peer: str):
+        if self.expect_bwd is None:
+            raise ProtocolError(Reason.WRONG_STAGE, "this node holds the last stage; it takes no bwd")
+        self.expect_bwd.version = self.version
+        try:
+            bwd = validate_bwd(frame, self.expect_bwd, sender=peer)
+        except ProtocolError as e:
+            self.metrics.served.labels(protocol="bwd", result=e.reason.value).inc()
+            raise
+        ctx = self.contexts.get(bwd.mb)
+        if ctx is None:
+            # expired, dropped or never ours: tell upstream at once so it frees its context too
+            self.metrics.served.labels(protocol="bwd", result="stale").inc()
+            if self.index > 0 and bwd.skip is None:
+                self.spawn(self._send_bwd(bwd.mb, bwd.route[: self.index + 1], skip=Reason.STALE,
+                                          detail="no context"))
+            return make_reject(Reason.STALE, f"no in-flight microbatch {bwd.mb:x} here", mb=bwd.mb)
+        if ctx.next_peer != peer:
+            self.metrics.served.labels(protocol="bwd", result="bad-frame").inc()
+            raise ProtocolError(Reason.BAD_FRAME, "this microbatch was not sent to you")
+        if bwd.skip is not None:
+            self.metrics.served.labels(protocol="bwd", result="skip").inc()
+            self._drop(bwd.mb, f"skip-{bwd.skip}", skip=bwd.skip, detail=bwd.detail)
+            return make_ack(bwd.mb, self.index, self.version)
+        verdict = await self._verify(peer, "grad", bwd.grad, bwd.version)
+        if not verdict.accept:
+            self.metrics.served.labels(protocol="bwd", result="rejected-by-verifier").inc()
+            self._drop(bwd.mb, "grad-rejected", skip=Reason.REJECTED_BY_VERIFIER)
+            return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=bwd.mb)
+        if bwd.mb not in self.contexts:  # dropped while we verified
+            return make_reject(Reason.STALE, "microbatch dropped meanwhile", mb=bwd.mb)
+        del self.contexts[bwd.mb]
+        self.router.on_done(peer)
+        self._pending.add(bwd.mb)
+        fut = self.worker.submit("bwd", self._compute_bwd, ctx, bwd.grad)
+        self.spawn(self._after_bwd(fut, ctx, bwd))
+        self.metrics.served.labels(protocol="bwd", result="ack").inc()
+        self._update_queue_gauges()
+        return make_ack(bwd.mb, self.index, self.version)
+
+    def _compute_bwd(self, ctx: Context, grad: torch.Tensor):
+        """Worker: recompute the forward with the stored weights, backpropagate, maybe step."""
+        t0 = time.perf_counter()
+        g = grad.to(self.device, torch.float32)
+        with self._autocast():
+            out = self.la.backward(ctx.weights, (ctx.x, ctx.ids), grad_output=g)
+        self._after_backward(out.delay, ctx.tokens)
+        self.metrics.compute_seconds.labels(kind="bwd").observe(time.perf_counter() - t0)
+        gx = out.input_grads[0]
+        return None if gx is None else gx.detach().to("cpu", torch.float32)
+
+    async def _after_bwd(self, fut: asyncio.Future, ctx: Context, bwd) -> None:
+        try:
+            gx = await fut
+        except Exception as e:  # noqa: BLE001
+            log.error("backward of mb %x failed: %r", ctx.mb, e)
+            self._pending.discard(ctx.mb)
+            self._finish(ctx, "failed")
+            await self._send_bwd(ctx.mb, bwd.route, skip=Reason.INTERNAL, detail=str(e)[:200])
+            return
+        self._pending.discard(ctx.mb)
+        self._update_queue_gauges()
+        self._finish(ctx, "done")
+        if self.index > 0:
+            await self._send_bwd(ctx.mb, bwd.route, grad=gx)
+
+    def _finish(self, ctx: Context, outcome: str) -> None:
+        self.metrics.microbatches.labels(outcome=outcome).inc()
+        if self.is_head:
+            self.inflight = max(0, self.inflight - 1)
+            if outcome == "done" and ctx.sent_at:
+                rtt = time.monotonic() - ctx.sent_at
+                self.rtts.append(rtt)
+                self.metrics.mb_rtt.observe(rtt)
+            self._wake.set()
+        self.metrics.inflight.set(len(self.contexts))
+
+    # ------------------------------------------------------------------ steps (worker thread)
+
+    def _after_backward(self, delay: int, tokens: int, loss: float | None = None) -> None:
+        self._accum += 1
+        self.metrics.staleness.observe(delay)
+        self.metrics.tokens.inc(tokens)
+        self._tokens_window.append((time.monotonic(), tokens))
+        if loss is not None:
+            self.last_loss = loss
+            self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
+            self.metrics.loss.set(loss)
+            self.metrics.loss_ema.set(self._loss_ema)
+            self.loss_history.append((self.la.version, loss))
+            if len(self.loss_history) > 100_000:
+                del self.loss_history[:50_000]
+        if self.policy.backward_done():
+            self._step()
+
+    def _step(self) -> None:
+        if self._accum == 0:
+            return
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        if self._accum > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self._accum)
+        set_lr(self.optimizer, lr_at(self.m.schedule, self.m.optim.lr, self.la.version))
+        if self.m.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.m.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.la.stepped()
+        self._accum = 0
+        v = self.la.version
+        self.metrics.steps.inc()
+        self.metrics.version.set(v)
+        if self.averager is not None:
+            try:
+                self.averager.maybe_average(v)
+            except Exception as e:  # noqa: BLE001 - averaging is best effort, training goes on
+                log.warning("averaging skipped at step %d: %r", v, e)
+        if self.checkpointer is not None and self.checkpoint_every and v % self.checkpoint_every == 0:
+            self.checkpointer(v, *self.checkpoint_state())
+
+    def _dropped_step(self) -> None:
+        """Worker: a microbatch will never bring a gradient; the step policy counts it (GPipe flush)."""
+        if self.policy.dropped():
+            self._step()
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """Worker (or when nothing runs): CPU copies of model + optimizer state, and the meta."""
+        from node.checkpoint import flatten_module, flatten_optimizer
+        from stages.manifest import consensus_dict
+
+        tensors = {k: v.detach().to("cpu").clone() for k, v in flatten_module(self.stage).items()}
+        otensors, ometa = flatten_optimizer(self.optimizer)
+        tensors.update({k: v.detach().to("cpu").clone() for k, v in otensors.items()})
+        meta = {
+            "kind": "node", "stage": self.index, "version": self.la.version, "run_id": self.run_id,
+            "manifest_hash": self.mhash, "manifest": consensus_dict(self.m), "optim": ometa,
+            "data_step": self.batches.step if self.batches is not None else 0, "peer_id": self.peer_id,
+        }
+        return tensors, meta
+
+    def restore(self, tensors: dict, meta: dict) -> None:
+        """Load a checkpoint written by ``checkpoint_state`` (before ``start``)."""
+        from node.checkpoint import restore_module, restore_optimizer
+
+        restore_module(self.stage, tensors)
+        restore_optimizer(self.optimizer, tensors, meta["optim"])
+        self.la.version = int(meta["version"])
+        if self.batches is not None:
+            self.batches.step = int(meta.get("data_step", 0))
+        self.metrics.version.set(self.la.version)
+
+    # ------------------------------------------------------------------ dropping
+
+    def _drop(self, mb: int, why: str, skip: Reason | str | None = None, detail: str = "") -> None:
+        """Free a microbatch's context; tell upstream to skip it; let the step policy count it."""
+        ctx = self.contexts.pop(mb, None)
+        if ctx is None:
+            return
+        if ctx.next_peer and ctx.sent_at:
+            self.router.on_done(ctx.next_peer)
+        log.debug("dropped mb %x (%s)", mb, why)
+        self._finish(ctx, "expired" if why == "expired" else "dropped")
+        if self.worker is not None and not self._stopping:
+            with contextlib.suppress(RuntimeError):
+                self.worker.submit("ctl", self._dropped_step)
+        if self.index > 0 and skip is not None:
+            self.spawn(self._send_bwd(mb, ctx.route, skip=skip, detail=detail or why))
+
+    # ------------------------------------------------------------------ outbound bwd
+
+    async def _send_bwd(self, mb: int, route: tuple[str, ...], grad: torch.Tensor | None = None,
+                        skip: Reason | str | None = None, detail: str = "") -> bool:
+        """Gradient (or skip) to the stage before us on ``route``; a few retries on busy, then give up
+        (upstream's TTL or probe frees its context)."""
+        if self.index == 0 or len(route) < self.index:
+            return False
+        peer = route[self.index - 1]
+        frames = make_bwd(self.run_id, self.mhash, mb, self.index, self.version, route, grad,
+                          skip=Reason(skip) if skip is not None else None, detail=detail)
+        for attempt in range(6):
+            t0 = time.monotonic()
+            try:
+                await self.transport.request(peer, BWD, frames, timeout=self.opt.request_timeout)
+            except PeerBusy:
+                self.metrics.requests.labels(protocol="bwd", result="busy").inc()
+                await asyncio.sleep(0.05 * 2**attempt)
+                continue
+            except PeerRejected as e:
+                self.metrics.requests.labels(protocol="bwd", result=e.reason).inc()
+                log.debug("bwd mb %x rejected by %s: %s", mb, peer[-8:], e)
+                return False
+            except (PeerUnreachable, ConnectionError, OSError) as e:
+                self.metrics.requests.labels(protocol="bwd", result="failed").inc()
+                if attempt < 2:  # a broken stream: the route is fixed, so retry the same peer
+                    log.debug("bwd mb %x to %s failed: %r; retrying", mb, peer[-8:], e)
+                    await asyncio.sleep(0.05 * 2**attempt)
+                    continue
+                log.info("bwd mb %x to %s failed: %r", mb, peer[-8:], e)
+                return False
+            except asyncio.TimeoutError:
+                self.metrics.requests.labels(protocol="bwd", result="timeout").inc()
+                log.info("bwd mb %x to %s timed out", mb, peer[-8:])
+                return False
+            self.metrics.request_seconds.labels(protocol="bwd").observe(time.monotonic() - t0)
+            self.metrics.requests.labels(protocol="bwd", result="skip" if grad is None else "ack").inc()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ head driver
+
+    def _new_mb(self) -> int:
+        while True:
+            mb = self.rng.getrandbits(63)
+            if mb not in self.contexts and mb not in self._pending:
+                return mb
+
+    async def drive(self) -> None:
+        """Head: inject microbatches from our data shard while the step policy allows."""
+        assert self.is_head and self.batches is not None
+        while not self._stopping:
+            if self.opt.steps and self.version >= self.opt.steps:
+                return
+            ready = (
+                self.state == "online"
+                and self.policy.may_inject(self.inflight)
+                and (self.is_tail or self.router.choose(1) is not None)
+            )
+            if not ready:
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.25)
+                continue
+            mb = self._new_mb()
+            ids = next(self.batches)
+            self.data_step = self.batches.step
+            self.inflight += 1
+            self.policy.injected()
+            self._pending.add(mb)
+            fut = self.worker.submit("fwd", self._compute_head, ids)
+            self.spawn(self._after_head(fut, mb, ids))
+
+    def _compute_head(self, ids_cpu: torch.Tensor):
+        t0 = time.perf_counter()
+        ids = ids_cpu.to(self.device, torch.int64)
+        w = self.la.weights()
+        version = self.la.version
+        if self.is_tail:  # a one-stage run: the head is the tail
+            with self._autocast():
+                out = self.la.backward(w, (None, ids), loss_fn=lambda logits: lm_loss(logits, ids))
+            self._after_backward(out.delay, ids.numel(), loss=float(out.loss))
+            return None, ids, w, version
+        with self._autocast():
+            code = self.la.forward(w, None, ids)
+        self.metrics.compute_seconds.labels(kind="fwd").observe(time.perf_counter() - t0)
+        return code.detach().to("cpu", torch.float32), ids, w, version
+
+    async def _after_head(self, fut: asyncio.Future, mb: int, ids_cpu: torch.Tensor) -> None:
+        try:
+            code, ids, w, version = await fut
+        except Exception as e:  # noqa: BLE001
+            log.error("head forward failed: %r", e)
+            self._pending.discard(mb)
+            self.inflight = max(0, self.inflight - 1)
+            self._wake.set()
+            return
+        self._pending.discard(mb)
+        ctx = Context(mb, (self.peer_id,), None, ids, ids_cpu.to(torch.int32), w, version)
+        if self.is_tail:
+            self._finish(ctx, "done")
+            return
+        self.contexts[mb] = ctx
+        self.metrics.inflight.set(len(self.contexts))
+        await self._send_fwd(ctx, code)
+
+    # ------------------------------------------------------------------ health
+
+    def status(self) -> dict:
+        return {
+            "peer": self.peer_id, "run": self.run_id, "manifest": self.mhash, "stage": self.index,
+            "state": self.state, "version": self.version, "queue": self.worker.depth("fwd") if self.worker else 0,
+            "inflight": len(self.contexts), "uptime_s": round(time.monotonic() - self._started, 1),
+            "loss": self.last_loss, "tokens_per_s": round(self.tokens_per_s(), 2),
+        }
+
+    async def _on_health(self, frame, peer: str):
+        validate_health_request(frame)
+        return make_health(self.status())
+
+    def suspect(self, peer: str, cooldown: float = 2.0) -> None:
+        """Something went wrong with ``peer``: health-probe it (one probe at a time, at most every
+        ``cooldown`` s)."""
+        now = time.monotonic()
+        if peer in self._probing or self._stopping or now - self._last_probe.get(peer, -1e9) < cooldown:
+            return
+        self._probing.add(peer)
+        self._last_probe[peer] = now
+        self.spawn(self._probe(peer))
+
+    async def _probe(self, peer: str, attempts: int = 2) -> None:
+        """Health-probe ``peer``; if it does not answer ``attempts`` times, ban it and drop every
+        microbatch waiting on it (their gradients will never come)."""
+        try:
+            for attempt in range(attempts):
+                try:
+                    await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
+                    return
+                except (PeerBusy, PeerRejected):
+                    return
+                except (asyncio.TimeoutError, PeerUnreachable, ConnectionError, OSError) as e:
+                    if attempt + 1 == attempts:
+                        self._peer_failed(peer, "health", e)
+                    else:
+                        await asyncio.sleep(0.2)
+        finally:
+            self._probing.discard(peer)
+
+    # ------------------------------------------------------------------ maintenance
+
+    def tokens_per_s(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        while self._tokens_window and now - self._tokens_window[0][0] > window:
+            self._tokens_window.popleft()
+        if not self._tokens_window:
+            return 0.0
+        span = max(1.0, min(window, now - self._started))
+        return sum(n for _, n in self._tokens_window) / span
+
+    def _update_queue_gauges(self) -> None:
+        if self.worker is not None:
+            self.metrics.queue_depth.labels(direction="fwd").set(self.worker.depth("fwd"))
+            self.metrics.queue_depth.labels(direction="bwd").set(self.worker.depth("bwd"))
+        self.metrics.inflight.set(len(self.contexts))
+
+    def sweep(self) -> None:
+        """TTL expiry of contexts and health probes of next hops that keep us waiting."""
+        now = time.monotonic()
+        waiting: dict[str, float] = {}
+        for mb, ctx in list(self.contexts.items()):
+            if now - ctx.created > self.opt.context_ttl:
+                self.metrics.contexts_expired.inc()
+                self._drop(mb, "expired", skip=Reason.STALE)
+                continue
+            if ctx.next_peer and ctx.sent_at:
+                waiting[ctx.next_peer] = max(waiting.get(ctx.next_peer, 0.0), now - ctx.sent_at)
+        for peer, age in waiting.items():
+            if age > self.opt.probe_after:
+                self.suspect(peer)
+        self.metrics.tokens_per_s.set(self.tokens_per_s())
+        self.metrics.banned_peers.set(len(self.router.banned()))
+        self._update_queue_gauges()
+
+    async def maintain(self, beat: Callable[[], None] | None = None, period: float = 0.5) -> None:
+        while not self._stopping:
+            self.sweep()
+            if beat is not None:
+                beat()
+            await asyncio.sleep(period)
+
+
+def new_microbatch_rng(seed: int) -> random.Random:
+    return random.Random(seed) if seed else random.Random()

@@ -1,0 +1,102 @@
+"""State sync: a joining replica downloads its stage's current weights from an online one.
+
+Over ``/swarm-node/state/1``: the joiner sends one ``state-request``; the server answers with
+``state-chunk`` frames (``protocol.messages.state_chunks``: each body at most
+``max_chunk_bytes``, big tensors sliced) and closes the stream. The joiner checks every chunk
+against its own freshly built stage (``StateAssembler``: names, dtypes, shapes, no overlap, no
+gap), so a peer cannot make it allocate anything its model does not have, and only then copies
+the weights in and adopts the server's optimizer version (the learning-rate schedule continues
+where the swarm is). Optimizer moments are not transferred: they are local statistics that the
+joiner rebuilds within a few steps, and sending them would triple the transfer.
+
+The snapshot is taken by the server's compute worker between two jobs, so it is one consistent
+version of the weights, never half of an optimizer step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from node.p2p import STATE, PeerBusy, PeerRejected, PeerUnreachable
+from protocol.frames import ProtocolError, Reason
+from protocol.messages import StateAssembler, make_state_request, state_chunks, validate_state_request
+
+log = logging.getLogger("swarm_node.state_sync")
+
+DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+class StateSyncError(Exception):
+    """No online replica could give us the stage's state."""
+
+
+def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in module.named_parameters()}
+
+
+def snapshot_parameters(runtime) -> tuple[int, dict[str, torch.Tensor]]:
+    """Compute-worker job: the current version and CPU copies of the stage's parameters."""
+    with torch.no_grad():
+        tensors = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in parameters_of(runtime.stage).items()}
+    return runtime.version, tensors
+
+
+async def serve_state(runtime, frame, peer: str):
+    """``/swarm-node/state/1`` handler: yield our weights as chunk frames."""
+    req = validate_state_request(frame, runtime.run_id, runtime.mhash, runtime.index)
+    if runtime.state not in ("online", "draining"):
+        raise ProtocolError(Reason.BUSY, f"this replica is {runtime.state}; ask an online one")
+    version, tensors = await runtime.worker.submit("ctl", snapshot_parameters, runtime)
+    chunk = min(req.max_chunk_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
+    sent = 0
+    for frame_buffers in state_chunks(runtime.run_id, runtime.mhash, runtime.index, version, tensors,
+                                      max_chunk_bytes=max(1024, chunk)):
+        sent += sum(memoryview(b).nbytes for b in frame_buffers)
+        yield frame_buffers
+    runtime.metrics.state_sync_bytes.labels(direction="out").inc(sent)
+    log.info("sent stage %d state (version %d, %.1f MiB) to %s", runtime.index, version, sent / 2**20, peer[-8:])
+
+
+async def download_state(transport, peer: str, run: str, mhash: str, stage_index: int,
+                         module: torch.nn.Module, timeout: float = 30.0) -> tuple[int, int]:
+    """Fetch stage ``stage_index``'s weights from ``peer`` into ``module``; returns (version, bytes)."""
+    expected = {n: p.detach() for n, p in parameters_of(module).items()}
+    asm = StateAssembler(run, mhash, stage_index, {n: t.to("cpu") for n, t in expected.items()})
+    received = 0
+    request = make_state_request(run, mhash, stage_index, max_chunk_bytes=DEFAULT_CHUNK_BYTES)
+    async for frame in transport.request_stream(peer, STATE, request, timeout=timeout):
+        received += frame.wire_bytes
+        if asm.add(frame):
+            break
+    if not asm.done:
+        raise StateSyncError(f"{peer} closed the state stream before the last chunk")
+    tensors = asm.result()
+    with torch.no_grad():
+        for name, p in parameters_of(module).items():
+            p.copy_(tensors[name].to(p.device, p.dtype))
+    return int(asm.version), received
+
+
+async def join_from_replicas(transport, router_peers: list[str], run: str, mhash: str, stage_index: int,
+                             module: torch.nn.Module, metrics=None, timeout: float = 30.0) -> tuple[int, str]:
+    """Try online replicas in order until one hands over its state; returns (version, peer)."""
+    errors = []
+    for peer in router_peers:
+        t0 = time.monotonic()
+        try:
+            version, nbytes = await download_state(transport, peer, run, mhash, stage_index, module, timeout)
+        except (PeerBusy, PeerRejected, PeerUnreachable, ProtocolError, StateSyncError,
+                asyncio.TimeoutError, ConnectionError, OSError) as e:
+            errors.append(f"{peer[-8:]}: {e!r}"[:200])
+            log.warning("state download from %s failed: %r", peer[-8:], e)
+            continue
+        if metrics is not None:
+            metrics.state_sync_bytes.labels(direction="in").inc(nbytes)
+        log.info("downloaded stage %d state (version %d, %.1f MiB) from %s in %.1f s", stage_index, version,
+                 nbytes / 2**20, peer[-8:], time.monotonic() - t0)
+        return version, peer
+    raise StateSyncError("no online replica gave us the stage state: " + "; ".join(errors))
