@@ -1,0 +1,150 @@
+"""Architecture warm-up (papers.md §5): grow depth during training instead of training it all at once.
+
+Preconditioned sharpness grows with depth and loss spikes follow it past the edge of stability,
+so the run starts with only some blocks active and unlocks the others in groups at given steps
+(``manifest.warmup``: ``groups`` of global layer indices and their ``unlock_steps``; layers in no
+group are active from the start).
+
+- A *locked* block is skipped exactly (``block.active = False``: its forward returns its input
+  unchanged) and is out of the optimizer's effect: its parameters have ``requires_grad = False``
+  and ``.grad = None``, and every optimizer in stages/optim.py (and torch's) skips a parameter
+  without a gradient entirely, so neither momentum nor weight decay touches it. Its values stay
+  bitwise those of the initialisation.
+- At *unlock* the block is initialised normally (N(0, init_std²), seeded from the run seed and
+  the global parameter name, so every replica of a stage draws the same values) with its output
+  projections (the residual writers ``attn.out_proj`` and ``mlp.down_proj``) at zero. The branch
+  then outputs exactly zero, so the network computes the same function at that step, but the
+  writers receive gradient: the block is not a stationary point.
+
+In a swarm every stage builds its own ``ArchWarmup`` over the blocks it holds; the groups name
+global layers and the step schedule is shared, so each stage unlocks its own blocks at the same
+steps with no coordination. After a restart from a checkpoint at step ``s`` build it with
+``step=s``: groups due by then are taken as already unlocked (their trained weights come from the
+checkpoint and are not touched).
+
+Note on the model's post-branch weightless RMSNorm: ``rmsnorm(0) = 0`` exactly, so unlocking is
+function-preserving; but any non-zero branch output is renormalised to unit RMS, so a branch
+reaches full strength after its first update rather than growing from zero gradually.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stages.subspace import derive_seed
+
+__all__ = ["ArchWarmup", "default_warmup_schedule", "warmup_blocks"]
+
+
+def default_warmup_schedule(
+    n_layers: int, lr_warmup_steps: int, every: int, n_groups: int = 4
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The default schedule (papers §5): half the depth active until the LR warm-up ends, then
+    one more group every ``every`` steps.
+
+    The locked half is the odd layers (1, 3, 5, …): spread over the depth, so every pipeline
+    stage keeps work from the start and grows evenly. It is cut into ``n_groups`` groups, each
+    again spread over the depth (``locked[j::n_groups]``); group j unlocks at
+    ``lr_warmup_steps + (j + 1)·every``. Returns ``(groups, unlock_steps)`` ready for
+    ``manifest.replace(warmup={"enabled": True, "groups": ..., "unlock_steps": ...})``.
+    """
+    if n_layers < 1 or n_groups < 1 or every < 1 or lr_warmup_steps < 0:
+        raise ValueError(
+            f"default_warmup_schedule: need n_layers >= 1, n_groups >= 1, every >= 1, lr_warmup_steps >= 0; "
+            f"got {n_layers}, {n_groups}, {every}, {lr_warmup_steps}"
+        )
+    locked = list(range(1, n_layers, 2))
+    groups = [tuple(locked[j::n_groups]) for j in range(n_groups)]
+    groups = [g for g in groups if g]
+    steps = tuple(lr_warmup_steps + (j + 1) * every for j in range(len(groups)))
+    return tuple(groups), steps
+
+
+def warmup_blocks(module: nn.Module) -> dict[int, nn.Module]:
+    """The blocks of a model or stage by global layer index (modules with ``layer``, ``active``
+    and ``output_projections()``)."""
+    out: dict[int, nn.Module] = {}
+    for m in module.modules():
+        if hasattr(m, "output_projections") and hasattr(m, "active") and hasattr(m, "layer"):
+            if m.layer in out:
+                raise ValueError(f"two blocks claim global layer {m.layer}")
+            out[int(m.layer)] = m
+    return out
+
+
+class ArchWarmup:
+    """Locks and unlocks the blocks of one model or stage on the manifest's schedule.
+
+    ``ArchWarmup(manifest, module, step=0)`` locks every block whose group is not yet due at
+    ``step``; call ``apply(step, optimizer)`` before each optimizer step's forward: it unlocks
+    the groups that are due and returns the newly unlocked global layers (sorted). Pass the
+    optimizer so any state it might hold for those parameters is dropped (they start fresh).
+    With ``manifest.warmup.enabled = false`` nothing is ever locked.
+    """
+
+    def __init__(self, manifest, module: nn.Module, step: int = 0):
+        self.manifest = manifest
+        self.module = module
+        self.blocks = warmup_blocks(module)
+        w = manifest.warmup
+        self.unlock_at: dict[int, int] = {}
+        if w.enabled:
+            if len(w.groups) != len(w.unlock_steps):
+                raise ValueError(f"warmup: {len(w.groups)} groups but {len(w.unlock_steps)} unlock_steps")
+            for group, at in zip(w.groups, w.unlock_steps):
+                for layer in group:
+                    if layer in self.blocks:  # a stage only handles its own blocks
+                        self.unlock_at[int(layer)] = int(at)
+        self.locked: set[int] = set()
+        for layer, at in self.unlock_at.items():
+            if at > step:
+                self._lock(self.blocks[layer])
+                self.locked.add(layer)
+
+    @staticmethod
+    def _lock(block: nn.Module) -> None:
+        block.active = False
+        for p in block.parameters():
+            p.requires_grad_(False)
+            p.grad = None
+
+    def is_locked(self, layer: int) -> bool:
+        return layer in self.locked
+
+    def active_layers(self) -> list[int]:
+        return sorted(set(self.blocks) - self.locked)
+
+    def apply(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> list[int]:
+        """Unlock every locked block whose unlock step is ``<= step``; return their layers.
+
+        Also re-asserts the lock on the blocks still locked (``.grad`` cleared), so a gradient
+        that reached them by some other path can never move them."""
+        due = sorted(layer for layer in self.locked if self.unlock_at[layer] <= step)
+        for layer in due:
+            block = self.blocks[layer]
+            self._unlock(layer, block)
+            if optimizer is not None:
+                for p in block.parameters():
+                    optimizer.state.pop(p, None)
+            self.locked.discard(layer)
+        for layer in self.locked:
+            for p in self.blocks[layer].parameters():
+                p.grad = None
+        return due
+
+    @torch.no_grad()
+    def _unlock(self, layer: int, block: nn.Module) -> None:
+        std = self.manifest.model.init_std
+        seed = self.manifest.run.seed
+        for name, p in block.named_parameters():
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(derive_seed(seed, f"unlock:layers.{layer}.{name}"))
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        for proj in block.output_projections():
+            for p in proj.parameters():
+                p.zero_()
+        for p in block.parameters():
+            p.requires_grad_(True)
+            p.grad = None
+        block.active = True

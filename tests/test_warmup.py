@@ -1,0 +1,161 @@
+"""Architecture warm-up (stages/warmup.py): locked blocks are exact identities that never change,
+unlocking preserves the function but makes the block trainable, per-stage operation, schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.manifest import load_manifest
+from stages.model import build_model, build_stage, lm_loss, rope_tables
+from stages.optim import build_optimizer
+from stages.warmup import ArchWarmup, default_warmup_schedule, warmup_blocks
+
+
+def _manifest(optim="adamw", groups=((1,), (2,)), unlock=(3, 5)):
+    m = load_manifest("test")
+    return m.replace(
+        optim={"name": optim, "lr": 1e-2, "weight_decay": 0.5},  # large decay: would show at once
+        warmup={"enabled": True, "groups": [list(g) for g in groups], "unlock_steps": list(unlock)},
+    )
+
+
+def _ids(seed, b=2, L=16):
+    return torch.randint(0, 256, (b, L), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, opt, arch, step):
+    arch.apply(step, opt)
+    ids = _ids(step)
+    opt.zero_grad(set_to_none=True)
+    lm_loss(model(ids), ids).backward()
+    opt.step()
+
+
+def test_locked_block_is_exact_identity():
+    m = _manifest()
+    model = build_model(m)
+    arch = ArchWarmup(m, model)
+    assert sorted(arch.locked) == [1, 2] and arch.active_layers() == [0]
+    block = model.layers[1]
+    assert block.active is False
+    h = torch.randn(2, 16, m.model.d_model)
+    rope = rope_tables(16, m.model.head_dim, m.model.rope_theta)
+    assert torch.equal(block(h, rope, model.codec.U), h)
+    # the whole model equals the model with those layers removed
+    ids = _ids(0)
+    full = model(ids)
+    model.layers = torch.nn.ModuleList([model.layers[0]])
+    assert torch.equal(model(ids), full)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "nadam", "sgd", "muon", "numuon"])
+def test_locked_params_never_change(optim):
+    m = _manifest(optim)
+    model = build_model(m)
+    arch = ArchWarmup(m, model)
+    opt = build_optimizer(m, model)
+    locked = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(("layers.1.", "layers.2."))}
+    active = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("layers.0.")}
+    for step in range(3):
+        _step(model, opt, arch, step)
+    params = dict(model.named_parameters())
+    for n, before in locked.items():
+        assert torch.equal(params[n], before), n  # bitwise: no update, no weight decay
+        assert params[n].grad is None and not params[n].requires_grad
+    assert any(not torch.equal(params[n], before) for n, before in active.items())
+
+
+def test_unlock_preserves_function_and_block_then_trains():
+    m = _manifest("adamw")
+    model = build_model(m)
+    arch = ArchWarmup(m, model)
+    opt = build_optimizer(m, model)
+    for step in range(3):
+        _step(model, opt, arch, step)
+    ids = _ids(100)
+    with torch.no_grad():
+        before = model(ids)
+    new = arch.apply(3, opt)
+    assert new == [1] and arch.active_layers() == [0, 1] and arch.locked == {2}
+    block = model.layers[1]
+    assert block.active
+    for proj in block.output_projections():
+        assert torch.count_nonzero(proj.weight) == 0
+    others = [p for n, p in block.named_parameters() if "out_proj" not in n and "down_proj" not in n]
+    assert all(p.requires_grad and p.abs().sum() > 0 for p in others)  # initialised normally
+    with torch.no_grad():
+        after = model(ids)
+    assert torch.equal(after, before)  # the function did not change at the unlock step
+    # ... but the branch receives gradient (not a stationary point) and is updated
+    opt.zero_grad(set_to_none=True)
+    lm_loss(model(ids), ids).backward()
+    grads = [proj.weight.grad for proj in block.output_projections()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    opt.step()
+    assert all(torch.count_nonzero(proj.weight) > 0 for proj in block.output_projections())
+    assert arch.apply(4, opt) == [] and arch.apply(5, opt) == [2] and not arch.locked
+
+
+def test_unlock_draws_are_deterministic_across_replicas():
+    m = _manifest()
+    a, b = build_model(m), build_model(m)
+    wa, wb = ArchWarmup(m, a), ArchWarmup(m, b)
+    wa.apply(10)
+    wb.apply(10)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), n
+
+
+def test_per_stage_warmup_matches_model():
+    m = _manifest(groups=((1,), (2,)), unlock=(2, 4))
+    model = build_model(m)
+    full_arch = ArchWarmup(m, model)
+    stages = [build_stage(m, i) for i in range(m.n_stages)]
+    archs = [ArchWarmup(m, s) for s in stages]
+    assert [sorted(a.locked) for a in archs] == [[], [1], [2]]  # each stage only its own blocks
+    ids = _ids(1)
+    for step in (0, 2, 4):
+        full_arch.apply(step)
+        news = [a.apply(step) for a in archs]
+        assert sorted(x for n in news for x in n) == sorted({2: [1], 4: [2]}.get(step, []))
+        with torch.no_grad():
+            x = None
+            for s in stages:
+                x = s(x, ids)
+            assert torch.allclose(x, model(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_resume_does_not_reinitialise_due_groups():
+    m = _manifest()
+    model = build_model(m)
+    with torch.no_grad():
+        model.layers[1].attn.qkv_proj.weight.add_(1.0)  # "trained" weights from a checkpoint
+    saved = model.layers[1].attn.qkv_proj.weight.detach().clone()
+    arch = ArchWarmup(m, model, step=4)  # group (1,) was due at 3, (2,) at 5
+    assert arch.locked == {2} and model.layers[1].active and not model.layers[2].active
+    assert arch.apply(4) == []
+    assert torch.equal(model.layers[1].attn.qkv_proj.weight, saved)
+
+
+def test_disabled_warmup_locks_nothing():
+    m = load_manifest("test")
+    model = build_model(m)
+    arch = ArchWarmup(m, model)
+    assert not arch.locked and arch.apply(0) == []
+    assert all(b.active for b in warmup_blocks(model).values())
+
+
+def test_default_schedule():
+    groups, steps = default_warmup_schedule(8, lr_warmup_steps=20, every=40)
+    assert groups == ((1,), (3,), (5,), (7,)) and steps == (60, 100, 140, 180)
+    groups, steps = default_warmup_schedule(24, 100, 500, n_groups=4)
+    locked = sorted(x for g in groups for x in g)
+    assert locked == list(range(1, 24, 2)) and len(groups) == 4 and steps[0] == 600
+    assert all(len(g) == 3 for g in groups)
+    m = load_manifest("test").replace(
+        warmup={"enabled": True, "groups": [list(g) for g in default_warmup_schedule(3, 5, 10)[0]],
+                "unlock_steps": list(default_warmup_schedule(3, 5, 10)[1])})
+    assert m.warmup.groups == ((1,),)
+    with pytest.raises(ValueError):
+        default_warmup_schedule(0, 1, 1)
