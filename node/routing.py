@@ -9,8 +9,8 @@ minus ourselves. Each gets an expected wait::
 
 ``queue`` is the peer's compute queue as it last told us (acks carry it, announcements too),
 ``outstanding`` the microbatches we sent it whose gradient has not come back yet, ``capacity``
-its announced tokens/s, floored at the median of its stage so a replica that just joined (0
-tokens/s announced) is treated as an average one rather than starved or flooded. The lowest
+its announced tokens/s; a replica that has announced none yet (it just joined) gets the median
+of its stage, so it is treated as an average one rather than starved or flooded. The lowest
 score wins; ties are broken at random so equal replicas share the load.
 
 Failures ban a peer with exponential backoff: ``base · 2^(strikes-1)`` seconds, capped at
@@ -100,9 +100,9 @@ class Router:
 
     # ---- choice
 
-    def score(self, p: PeerState, floor: float) -> float:
-        capacity = max(p.throughput, floor, 1e-9)
-        return (p.queue + p.outstanding + 1) / capacity
+    def score(self, p: PeerState, typical: float) -> float:
+        capacity = p.throughput if p.throughput > 0 else typical
+        return (p.queue + p.outstanding + 1) / max(capacity, 1e-9)
 
     def choose(self, stage: int, exclude=()) -> str | None:
         """The replica of ``stage`` with the shortest expected wait, or None if there is none."""
@@ -110,8 +110,8 @@ class Router:
         if not cands:
             return None
         tputs = [p.throughput for p in self.stage_peers(stage, include_banned=True) if p.throughput > 0]
-        floor = statistics.median(tputs) if tputs else 1.0
-        scored = [(self.score(p, floor), self.rng.random(), p.peer_id) for p in cands]
+        typical = statistics.median(tputs) if tputs else 1.0
+        scored = [(self.score(p, typical), self.rng.random(), p.peer_id) for p in cands]
         return min(scored)[2]
 
     # ---- outcomes

@@ -1,0 +1,144 @@
+"""node/routing.py and the pure parts of node/membership.py: replica choice, bans, stage choice."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from node.routing import Router
+
+
+@dataclass
+class Rec:  # the fields of membership.PeerRecord the router reads
+    peer_id: str
+    stage: int
+    state: str = "online"
+    throughput: float = 0.0
+    queue: int = 0
+    version: int = 0
+    maddrs: list = field(default_factory=list)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(records, **kw):
+    clock = Clock()
+    r = Router("me", rng=random.Random(0), clock=clock, **kw)
+    r.update(records)
+    return r, clock
+
+
+def test_prefers_short_queue_and_high_throughput():
+    r, _ = make([Rec("a", 1, throughput=100, queue=4), Rec("b", 1, throughput=100, queue=0),
+                 Rec("c", 2, throughput=1000)])
+    assert r.choose(1) == "b"
+    r, _ = make([Rec("a", 1, throughput=400, queue=1), Rec("b", 1, throughput=100, queue=0)])
+    assert r.choose(1) == "a"  # (1+1)/400 < (0+1)/100
+
+
+def test_outstanding_microbatches_spread_the_load():
+    r, _ = make([Rec("a", 1, throughput=100), Rec("b", 1, throughput=100)])
+    picks = []
+    for _ in range(6):
+        p = r.choose(1)
+        r.on_sent(p)
+        picks.append(p)
+    assert picks.count("a") == 3 and picks.count("b") == 3
+    r.on_done("a")
+    r.on_done("a")
+    assert r.choose(1) == "a"
+
+
+def test_new_replica_counts_as_an_average_one():
+    # 'new' announced 0 tokens/s: floored at the stage median, so it is neither starved nor flooded
+    r, _ = make([Rec("old1", 1, throughput=100, queue=2), Rec("old2", 1, throughput=100, queue=2),
+                 Rec("new", 1, throughput=0, queue=0)])
+    assert r.choose(1) == "new"
+    for _ in range(3):
+        r.on_sent("new")
+    assert r.choose(1) in ("old1", "old2")
+
+
+def test_excludes_self_offline_joining_and_excluded():
+    r, _ = make([Rec("me", 1, throughput=1e9), Rec("j", 1, state="joining"), Rec("d", 1, state="draining"),
+                 Rec("a", 1), Rec("b", 1)])
+    assert r.choose(1, exclude={"a"}) == "b"
+    assert r.choose(1, exclude={"a", "b"}) is None
+    assert r.choose(3) is None
+    assert r.count_by_stage(3) == [0, 2, 0]
+
+
+def test_failures_ban_with_exponential_backoff_and_success_clears():
+    r, clock = make([Rec("a", 1), Rec("b", 1)], ban_base=2.0, max_ban=10.0)
+    assert r.on_failure("a") == 2.0
+    assert r.is_banned("a") and r.choose(1) == "b" and r.banned() == ["a"]
+    clock.t += 2.1
+    assert not r.is_banned("a")
+    assert r.on_failure("a") == 4.0
+    assert r.on_failure("a") == 8.0
+    assert r.on_failure("a") == 10.0  # capped
+    clock.t += 10.1
+    r.on_ack("a", 0.01, queue=0)  # a success clears the strikes
+    assert r.on_failure("a") == 2.0
+    assert r.bans_total["failure"] == 5
+
+
+def test_ban_for_cause_outlives_a_dht_refresh_then_expires():
+    r, clock = make([Rec("a", 1), Rec("b", 1)])
+    r.ban("a", 30.0, "verifier")
+    r.update([Rec("b", 1)])  # 'a' left the DHT but its ban is remembered
+    assert r.is_banned("a")
+    r.update([Rec("a", 1), Rec("b", 1)])  # it comes back: still banned
+    assert r.choose(1) == "b"
+    clock.t += 31
+    r.update([Rec("b", 1)])
+    assert "a" not in r.peers
+
+
+def test_busy_counts_as_queue_until_the_next_ack():
+    r, _ = make([Rec("a", 1, throughput=100), Rec("b", 1, throughput=100)])
+    first = r.choose(1)
+    r.on_busy(first)
+    other = r.choose(1)
+    assert other != first
+    r.on_ack(first, 0.01, queue=0)
+    r.on_busy(other)
+    assert r.choose(1) == first
+
+
+def test_stage_change_resets_local_load():
+    r, _ = make([Rec("a", 1)])
+    r.on_sent("a")
+    r.update([Rec("a", 2)])
+    assert r.peers["a"].outstanding == 0 and r.choose(2) == "a"
+
+
+def test_choose_stage_picks_least_served():
+    from node.membership import PeerRecord, choose_stage
+
+    recs = [PeerRecord("a", 0, "online", throughput=500), PeerRecord("b", 1, "online", throughput=200),
+            PeerRecord("c", 2, "online", throughput=300)]
+    assert choose_stage(recs, 3) == 1
+    assert choose_stage(recs, 4) == 3  # an empty stage first
+    # offline peers do not count; a joining one (0 tokens/s yet) breaks ties by peer count
+    recs += [PeerRecord("d", 1, "offline", throughput=0), PeerRecord("e", 1, "online", throughput=400)]
+    assert choose_stage(recs, 3) == 2
+    tie = [PeerRecord("x", 0, "joining"), PeerRecord("y", 2, "online")]
+    assert choose_stage(tie, 3) == 1
+
+
+def test_peer_records_reject_malformed_values():
+    from node.membership import PeerRecord
+
+    good = PeerRecord("p", 1, "online", throughput=3.0, queue=2, version=9, maddrs=["/ip4/1.2.3.4/tcp/1"])
+    assert PeerRecord.from_value(good.to_value()).version == 9
+    for bad in (None, [], {"peer_id": "p"}, {**good.to_value(), "state": "hacked"},
+                {**good.to_value(), "stage": -1}, {**good.to_value(), "throughput": "fast"},
+                {**good.to_value(), "throughput": -5}):
+        assert PeerRecord.from_value(bad) is None

@@ -1,0 +1,488 @@
+"""node/runtime.py in one process: real stage runtimes exchanging real frames through an in-memory
+transport (every frame is encoded and decoded with protocol.frames, exactly as on a stream).
+
+The multi-process, real-libp2p versions of these flows are tests/test_swarm_e2e.py,
+tests/test_churn.py and tests/test_restart.py; this file covers the runtime's rules quickly and
+deterministically: training through three stages, bounded queues (busy), the TTL, probes of a
+dead next hop, skip propagation, verifier rejects and bans, state sync, checkpoints, priorities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from node.metrics import NodeMetrics
+from node.p2p import BWD, FWD, PeerBusy, PeerRejected, PeerUnreachable
+from node.routing import Router
+from node.runtime import ComputeWorker, QueueFull, RuntimeOptions, StageRuntime
+from protocol.frames import FrameDecoder, ProtocolError, Reason, encode_frame
+from protocol.messages import make_fwd, make_reject
+from stages.model import build_stage
+from stages.optim import build_optimizer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Three stages share this process: one intra-op thread each keeps them from fighting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------- test doubles
+
+
+def _frame_of(buffers):
+    data = b"".join(bytes(memoryview(b)) for b in buffers)
+    frames = FrameDecoder().feed(data)
+    assert len(frames) == 1
+    return frames[0]
+
+
+def _buffers(header, tensors=()):
+    if isinstance(header, list):
+        return header
+    return encode_frame(header, list(tensors))
+
+
+class Net:
+    def __init__(self):
+        self.peers: dict[str, MemTransport] = {}
+
+
+class MemTransport:
+    """node.p2p.Transport's interface over memory: same frames, same exceptions."""
+
+    def __init__(self, net: Net, peer_id: str):
+        self.net, self.peer_id = net, peer_id
+        self.handlers, self.stream_handlers = {}, {}
+        self.down = False  # an unreachable peer (kill -9)
+        self.sent: list[tuple[str, str, dict]] = []
+        net.peers[peer_id] = self
+
+    async def serve(self, protocol_id, handler):
+        self.handlers[protocol_id] = handler
+
+    async def serve_stream(self, protocol_id, handler):
+        self.stream_handlers[protocol_id] = handler
+
+    def _target(self, peer):
+        t = self.net.peers.get(peer)
+        if t is None or t.down or self.down:
+            raise PeerUnreachable(f"cannot reach {peer}")
+        return t
+
+    async def request(self, peer, protocol_id, header, tensors=(), *, timeout):
+        target = self._target(peer)
+        frame = _frame_of(_buffers(header, tensors))
+        self.sent.append((peer, protocol_id, dict(frame.header)))
+        try:
+            reply = target.handlers[protocol_id](frame, self.peer_id)
+            if inspect.isawaitable(reply):
+                reply = await asyncio.wait_for(reply, timeout)
+        except ProtocolError as e:
+            reply = make_reject(e.reason, e.detail)
+        reply = _frame_of(_buffers(*reply) if isinstance(reply, tuple) else reply)
+        if reply.header["type"] == "reject":
+            if reply.header["reason"] == "busy":
+                raise PeerBusy(reply.header.get("detail", ""))
+            raise PeerRejected(reply.header["reason"], reply.header.get("detail", ""))
+        return reply
+
+    async def request_stream(self, peer, protocol_id, header, tensors=(), *, timeout):
+        target = self._target(peer)
+        frame = _frame_of(_buffers(header, tensors))
+        async for reply in target.stream_handlers[protocol_id](frame, self.peer_id):
+            yield _frame_of(reply)
+
+
+@dataclass
+class Verdict:
+    accept: bool
+    reason: str = "ok"
+    score: float = 0.0
+
+
+@dataclass
+class RecordingVerifier:
+    """Counts what it is shown; rejects senders listed in ``reject``."""
+
+    reject: set = field(default_factory=set)
+    seen: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def verify(self, sender, direction, tensor, step=None):
+        assert threading.current_thread() is not threading.main_thread()  # off the event loop
+        with self.lock:
+            self.seen.append((sender, direction, tuple(tensor.shape)))
+        if sender in self.reject:
+            return Verdict(False, "test-reject", 9.0)
+        return Verdict(bool(torch.isfinite(tensor).all()), "ok")
+
+
+@dataclass
+class Rec:
+    peer_id: str
+    stage: int
+    state: str = "online"
+    throughput: float = 0.0
+    queue: int = 0
+    version: int = 0
+    maddrs: list = field(default_factory=list)
+
+
+def make_runtime(manifest, index, peer, net, *, verifier=None, batches=None, seed=0, **opts):
+    torch.manual_seed(seed)
+    stage = build_stage(manifest, index)
+    opt = build_optimizer(manifest, stage)
+    options = RuntimeOptions(**{"probe_after": 0.3, "forward_deadline": 3.0, "request_timeout": 2.0, **opts})
+    rt = StageRuntime(
+        manifest, index, stage, opt, transport=MemTransport(net, peer), router=Router(peer, rng=random.Random(1)),
+        metrics=NodeMetrics(), verifier=verifier or RecordingVerifier(), peer_id=peer, options=options,
+        batches=batches, rng=random.Random(seed + index),
+    )
+    return rt
+
+
+def link(runtimes):
+    recs = [Rec(rt.peer_id, rt.index) for rt in runtimes]
+    for rt in runtimes:
+        rt.router.update(recs)
+
+
+def head_batches(manifest):
+    from stages.data import Batches, load_corpus
+
+    corpus = load_corpus(manifest.data)
+    return Batches(corpus.train, manifest.data.batch_size, manifest.model.seq_len, seed=manifest.run.seed)
+
+
+async def start_all(runtimes):
+    for rt in runtimes:
+        await rt.start()
+        rt.set_state("online")
+
+
+async def stop_all(runtimes):
+    for rt in runtimes:
+        await rt.stop()
+
+
+def value(rt, name, **labels):
+    from node.demo import metric_sum, parse_metrics
+
+    return metric_sum(parse_metrics(rt.metrics.render().decode()), name, **labels)
+
+
+async def wait_for(cond, timeout=30.0, step=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(step)
+    return False
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.asyncio
+async def test_three_stages_train_and_every_tensor_is_verified(test_manifest):
+    m = test_manifest.replace(schedule={"warmup_steps": 2})
+    net = Net()
+    v_body, v_tail, v_head = RecordingVerifier(), RecordingVerifier(), RecordingVerifier()
+    head = make_runtime(m, 0, "head", net, verifier=v_head, batches=head_batches(m), steps=80)
+    body = make_runtime(m, 1, "body", net, verifier=v_body)
+    tail = make_runtime(m, 2, "tail", net, verifier=v_tail)
+    rts = [head, body, tail]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    maintain = [asyncio.ensure_future(rt.maintain(period=0.1)) for rt in rts]
+    try:
+        assert await wait_for(lambda: head.version >= 80 and head.inflight == 0, timeout=90)
+        await asyncio.wait_for(drive, 5)  # the head stops injecting at --steps
+        for rt in rts:
+            assert await rt.drain(5.0)
+    finally:
+        for t in maintain:
+            t.cancel()
+        await stop_all(rts)
+    losses = [loss for _, loss in tail.loss_history]
+    assert len(losses) >= 80
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < first - 0.5, (first, last)
+    # every stage stepped once per microbatch (grad_accum 1), none leaked a context
+    assert head.version == body.version == tail.version >= 80
+    assert not head.contexts and not body.contexts and not tail.contexts and head.inflight == 0
+    # every activation the body and tail accepted, and every gradient the head and body accepted,
+    # went through their verifier first
+    assert sum(1 for _, d, _ in v_body.seen if d == "act") == value(body, "swarm_node_served_total",
+                                                                    protocol="fwd", result="ack")
+    assert sum(1 for _, d, _ in v_tail.seen if d == "act") == tail.version
+    assert sum(1 for _, d, _ in v_body.seen if d == "grad") == body.version
+    assert sum(1 for _, d, _ in v_head.seen if d == "grad") == head.version
+    B, L, k = m.data.batch_size, m.model.seq_len, m.k
+    assert set(shape for _, _, shape in v_head.seen) == {(B, L, k)}
+    # metrics saw it: steps, tokens, loss, staleness (look-ahead runs async: some delay > 0)
+    assert value(tail, "swarm_node_steps_total") == tail.version
+    assert value(head, "swarm_node_tokens_total") == head.version * B * L
+    assert value(head, "swarm_node_staleness_steps_count") == head.version
+    assert value(head, "swarm_node_microbatch_rtt_seconds_count") == head.version
+    assert 0 < value(tail, "swarm_node_loss") < 10
+
+
+@pytest.mark.asyncio
+async def test_full_queue_answers_busy_and_router_moves_on(test_manifest):
+    m = test_manifest
+    net = Net()
+    body = make_runtime(m, 1, "body", net, queue_size=1)
+    await start_all([body])
+    gate = threading.Event()
+    body.worker.submit("ctl", gate.wait)  # the compute worker is busy
+    sender = MemTransport(net, "head")
+    c = torch.randn(m.data.batch_size, m.model.seq_len, m.k)
+    ids = torch.randint(0, 256, (m.data.batch_size, m.model.seq_len), dtype=torch.int32)
+
+    def fwd(mb):
+        return make_fwd(m.run.id, body.mhash, mb, 0, 0, ["head"], c, ids)
+
+    try:
+        reply = await sender.request("body", FWD, fwd(1), timeout=2)
+        assert reply.header["type"] == "ack" and reply.header["queue"] == 1
+        with pytest.raises(PeerBusy):
+            await sender.request("body", FWD, fwd(2), timeout=2)
+        # the same microbatch again is acknowledged without queueing it twice
+        assert (await sender.request("body", FWD, fwd(1), timeout=2)).header["type"] == "ack"
+        assert body.worker.depth("fwd") == 1
+        # a fwd from the wrong stage or run is refused with the reason
+        with pytest.raises(PeerRejected) as e:
+            await sender.request("body", FWD, make_fwd(m.run.id, "0" * 64, 3, 0, 0, ["head"], c, ids), timeout=2)
+        assert e.value.reason == "wrong-run"
+    finally:
+        gate.set()
+        await stop_all([body])
+    assert value(body, "swarm_node_served_total", protocol="fwd", result="busy") == 1
+
+
+@pytest.mark.asyncio
+async def test_context_ttl_frees_memory_and_skips_upstream(test_manifest):
+    """The tail accepts but never answers: the body's context expires, the head is told to skip."""
+    m = test_manifest
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2, context_ttl=60)
+    body = make_runtime(m, 1, "body", net, context_ttl=0.5, probe_after=60)
+    black_hole = MemTransport(net, "tail")
+    acks = []
+
+    async def swallow(frame, peer):
+        from protocol.messages import make_ack
+
+        acks.append(frame.header["mb"])
+        return make_ack(frame.header["mb"], 2, 0)
+
+    await black_hole.serve(FWD, swallow)
+    black_hole.handlers["/swarm-node/health/1"] = lambda f, p: (_ for _ in ()).throw(AssertionError)
+    link([head, body])
+    body.router.update([Rec("head", 0), Rec("body", 1), Rec("tail", 2)])
+    await start_all([head, body])
+    drive = asyncio.ensure_future(head.drive())
+    maintain = [asyncio.ensure_future(rt.maintain(period=0.05)) for rt in (head, body)]
+    try:
+        assert await wait_for(lambda: value(body, "swarm_node_contexts_expired_total") >= 4, timeout=30)
+        # the head was told: its microbatches were dropped, not left to its own (60 s) TTL
+        assert await wait_for(lambda: value(head, "swarm_node_microbatches_total", outcome="dropped") >= 3)
+        assert head.inflight <= 2 and len(body.contexts) <= 2
+    finally:
+        drive.cancel()
+        for t in maintain:
+            t.cancel()
+        await stop_all([head, body])
+    skips = [h for peer, proto, h in body.transport.sent if proto == BWD and h.get("skip")]
+    assert skips and all(peer == "head" for peer, proto, h in body.transport.sent if proto == BWD)
+    assert head.version == 0  # nothing was ever trained on
+
+
+@pytest.mark.asyncio
+async def test_dead_next_hop_is_probed_banned_and_traffic_moves(test_manifest):
+    """Two body replicas; one dies (unreachable) with microbatches in flight. The head's probe finds
+    it, bans it, drops its microbatches at once and sends new ones to the survivor."""
+    m = test_manifest.replace(schedule={"warmup_steps": 2})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
+    b1 = make_runtime(m, 1, "b1", net)
+    b2 = make_runtime(m, 1, "b2", net)
+    tail = make_runtime(m, 2, "tail", net)
+    rts = [head, b1, b2, tail]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    maintain = [asyncio.ensure_future(rt.maintain(period=0.05)) for rt in rts]
+    try:
+        assert await wait_for(lambda: b1.version >= 3 and b2.version >= 3, timeout=60)
+        b1.transport.down = True  # kill -9
+        t_kill = time.monotonic()
+        steps_at_kill = tail.version
+        assert await wait_for(lambda: head.router.is_banned("b1"), timeout=10)
+        assert await wait_for(lambda: tail.version >= steps_at_kill + 10, timeout=30)
+        recovered = time.monotonic() - t_kill
+        b2_before = b2.version
+        assert await wait_for(lambda: b2.version >= b2_before + 5, timeout=30)
+        assert not any(ctx.next_peer == "b1" for ctx in head.contexts.values())
+    finally:
+        drive.cancel()
+        for t in maintain:
+            t.cancel()
+        await stop_all(rts)
+    assert recovered < 10
+    assert value(head, "swarm_node_bans_total", cause="unreachable") >= 1
+    assert value(head, "swarm_node_banned_peers") == 1
+
+
+@pytest.mark.asyncio
+async def test_verifier_rejects_drop_skip_and_ban(test_manifest):
+    m = test_manifest
+    net = Net()
+    verifier = RecordingVerifier(reject={"head"})
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=1)
+    body = make_runtime(m, 1, "body", net, verifier=verifier)
+    link([head, body])
+    await start_all([head, body])
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        flags = m.sentinel.flags_to_ban
+        assert await wait_for(lambda: body.router.is_banned("head"), timeout=30)
+        assert await wait_for(
+            lambda: value(head, "swarm_node_requests_total", protocol="fwd", result="banned") >= 1, timeout=10)
+    finally:
+        drive.cancel()
+        await stop_all([head, body])
+    assert value(body, "swarm_node_verifier_verdicts_total", direction="act", verdict="reject",
+                 reason="test-reject") == flags
+    assert value(body, "swarm_node_bans_total", cause="verifier") == 1
+    assert value(head, "swarm_node_requests_total", protocol="fwd", result="rejected-by-verifier") == flags
+    assert not body.contexts and body.version == 0
+    assert len(head.contexts) <= 1
+
+
+@pytest.mark.asyncio
+async def test_joiner_downloads_the_exact_weights(test_manifest):
+    from node.state_sync import join_from_replicas
+
+    m = test_manifest
+    net = Net()
+    online = make_runtime(m, 1, "old", net, seed=1)
+    with torch.no_grad():
+        for p in online.stage.parameters():
+            p.add_(torch.randn_like(p))
+    online.la.version = 42
+    joiner = make_runtime(m, 1, "new", net, seed=2)
+    await start_all([online])
+    await joiner.start()
+    try:
+        version, src = await join_from_replicas(joiner.transport, ["gone", "old"], m.run.id, joiner.mhash, 1,
+                                                joiner.stage, joiner.metrics)
+    finally:
+        await stop_all([online, joiner])
+    assert (version, src) == (42, "old")
+    for (n, a), (_, b) in zip(online.stage.named_parameters(), joiner.stage.named_parameters()):
+        assert torch.equal(a, b), n
+    assert value(joiner, "swarm_node_state_sync_bytes_total", direction="in") > 0
+
+
+def test_checkpoint_state_round_trip(test_manifest, tmp_path):
+    from node.checkpoint import load_latest_checkpoint, save_checkpoint
+
+    m = test_manifest
+    net = Net()
+    a = make_runtime(m, 1, "a", net, seed=3)
+    x = torch.randn(m.data.batch_size, m.model.seq_len, m.k)
+    ids = torch.randint(0, 256, (m.data.batch_size, m.model.seq_len))
+    a.stage(x, ids).square().mean().backward()
+    a.optimizer.step()
+    a.la.stepped()
+    tensors, meta = a.checkpoint_state()
+    save_checkpoint(tmp_path, a.version, tensors, meta)
+    step, tensors, meta = load_latest_checkpoint(tmp_path)
+    b = make_runtime(m, 1, "b", net, seed=4)
+    b.restore(tensors, meta)
+    assert step == b.version == 1 and meta["stage"] == 1 and meta["manifest_hash"] == a.mhash
+    for (n, p), (_, q) in zip(a.stage.named_parameters(), b.stage.named_parameters()):
+        assert torch.equal(p, q), n
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+
+
+@pytest.mark.asyncio
+async def test_compute_worker_runs_gradients_before_forwards():
+    worker = ComputeWorker(asyncio.get_running_loop())
+    gate, order = threading.Event(), []
+    try:
+        first = worker.submit("fwd", gate.wait)
+        futs = [worker.submit("fwd", order.append, "fwd1"), worker.submit("bwd", order.append, "bwd1"),
+                worker.submit("fwd", order.append, "fwd2"), worker.submit("ctl", order.append, "ctl"),
+                worker.submit("bwd", order.append, "bwd2")]
+        with pytest.raises(QueueFull):
+            worker.submit("fwd", order.append, "x", bound=2)
+        gate.set()
+        await asyncio.gather(first, *futs)
+        assert order == ["ctl", "bwd1", "bwd2", "fwd1", "fwd2"]
+        boom = worker.submit("bwd", lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            await boom
+    finally:
+        worker.stop()
+    assert not worker._thread.is_alive()
+
+
+@pytest.mark.asyncio
+async def test_handlers_refuse_what_a_stage_cannot_take(test_manifest):
+    m = test_manifest
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m))
+    tail = make_runtime(m, 2, "tail", net)
+    joining = make_runtime(m, 1, "joining", net)
+    await head.start()
+    await tail.start()
+    await joining.start()  # started but not online yet
+    head.set_state("online")
+    tail.set_state("online")
+    peer = MemTransport(net, "x")
+    c = torch.randn(m.data.batch_size, m.model.seq_len, m.k)
+    ids = torch.randint(0, 256, (m.data.batch_size, m.model.seq_len), dtype=torch.int32)
+    try:
+        with pytest.raises(PeerRejected) as e:
+            await peer.request("head", FWD, make_fwd(m.run.id, head.mhash, 1, 0, 0, ["x"], c, ids), timeout=2)
+        assert e.value.reason == "wrong-stage"
+        from protocol.messages import make_bwd
+
+        with pytest.raises(PeerRejected) as e:
+            await peer.request("tail", BWD, make_bwd(m.run.id, tail.mhash, 1, 3, 0, ["a", "b", "tail", "x"], c),
+                               timeout=2)
+        assert e.value.reason == "wrong-stage"
+        with pytest.raises(PeerBusy):  # joining: not serving yet
+            await peer.request("joining", FWD, make_fwd(m.run.id, head.mhash, 1, 0, 0, ["x"], c, ids), timeout=2)
+        # a gradient for a microbatch the head never sent is refused as stale
+        with pytest.raises(PeerRejected) as e:
+            await peer.request("head", BWD, make_bwd(m.run.id, head.mhash, 77, 1, 0, ["head", "x"], c), timeout=2)
+        assert e.value.reason == "stale"
+        bad = c.clone()
+        bad[0, 0, 0] = float("nan")
+        with pytest.raises(PeerRejected) as e:
+            await peer.request("tail", FWD, make_fwd(m.run.id, tail.mhash, 5, 1, 0, ["h", "x"], bad, ids), timeout=2)
+        assert e.value.reason == "bad-frame"
+    finally:
+        await stop_all([head, tail, joining])
+    assert tail.version == 0 and not head.contexts
+    assert Reason.BUSY.value == "busy"
