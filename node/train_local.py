@@ -53,6 +53,7 @@ def main(args) -> int:
     if args.resume and not args.checkpoint_dir:
         raise CliError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     device = resolve_device(args.device)
+    from node.checkpoint import CheckpointError
     from stages.data import DataError
 
     try:
@@ -65,7 +66,7 @@ def main(args) -> int:
             json_log=args.json_log,
             progress=not args.no_progress and sys.stderr.isatty(),
         )
-    except (DataError, ResumeError) as e:
+    except (DataError, ResumeError, CheckpointError) as e:
         raise CliError(str(e)) from e
     except TrainingDiverged as e:
         log.error("%s", e)
@@ -159,7 +160,7 @@ def train(
     vbatches = [v.to(device) for v in val_batches(corpus.val, B, L, m.train.val_batches)]
 
     stages = [build_stage(m, i, device=device) for i in range(m.n_stages)]
-    optims = [build_optimizer(m, s) for s in stages]
+    optims = [build_optimizer(m, s, total_steps=m.schedule.total_steps) for s in stages]
     mhash = manifest_hash(m)
     start = 0
     if resume and checkpoint_dir is not None:
@@ -182,6 +183,13 @@ def train(
                 log.info("resumed from checkpoint at step %d in %s", start, checkpoint_dir)
         elif not quiet:
             log.info("no checkpoint in %s yet: starting from step 0", checkpoint_dir)
+    # architecture warm-up (manifest.warmup): each stage locks/unlocks its own blocks on the shared
+    # schedule, as a swarm node does; groups due by ``start`` keep their checkpointed weights
+    warmups = []
+    if m.warmup.enabled:
+        from stages.warmup import ArchWarmup
+
+        warmups = [ArchWarmup(m, s, step=start) for s in stages]
 
     def checkpoint(step: int) -> None:
         tensors, optim_meta = {}, []
@@ -222,6 +230,10 @@ def train(
         while step < steps:
             t0 = time.perf_counter()
             lr = lr_at(m.schedule, m.optim.lr, step)
+            for w, o in zip(warmups, optims):
+                unlocked = w.apply(step, o)
+                if unlocked and not quiet:
+                    log.info("step %d: warm-up unlocked layers %s", step, unlocked)
             for o in optims:
                 set_lr(o, lr)
                 o.zero_grad(set_to_none=True)

@@ -283,17 +283,20 @@ def _read_hf_docs(path: Path, text_field: str) -> list[tuple[str, bytes]]:
             f"data.text_field: column {text_field!r} not in the dataset at {path}; "
             f"columns: {', '.join(ds.column_names)}"
         )
-    docs, total = [], 0
-    for i, text in enumerate(ds[text_field]):
-        if text is None:
-            continue
-        if not isinstance(text, str):
-            raise DataError(f"data.text_field: column {text_field!r} row {i} is {type(text).__name__}, not text")
-        b = text.replace("\x00", "").encode("utf-8")
-        total += len(b)
-        if total > TEXT_MAX_BYTES:
-            raise DataError(f"data.path: dataset at {path} exceeds the {TEXT_MAX_BYTES:,}-byte limit")
-        docs.append((f"row{i}", b))
+    docs, total, i = [], 0, 0
+    for chunk in ds.select_columns([text_field]).iter(batch_size=1024):  # streamed, not all at once
+        for text in chunk[text_field]:
+            if text is not None:
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"data.text_field: column {text_field!r} row {i} is {type(text).__name__}, not text"
+                    )
+                b = text.replace("\x00", "").encode("utf-8")
+                total += len(b)
+                if total > TEXT_MAX_BYTES:
+                    raise DataError(f"data.path: dataset at {path} exceeds the {TEXT_MAX_BYTES:,}-byte limit")
+                docs.append((f"row{i}", b))
+            i += 1
     if not any(b for _, b in docs):
         raise DataError(f"data.path: the dataset at {path} has no non-empty {text_field!r} rows")
     return docs

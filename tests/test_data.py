@@ -113,6 +113,13 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     assert "hf:" in corpus.description
     with pytest.raises(DataError, match="column 'text' not in the dataset.*content, n"):
         load_corpus(dataclasses.replace(cfg, text_field="text"))
+    with pytest.raises(DataError, match="column 'n' row 0 is int, not text"):
+        load_corpus(dataclasses.replace(cfg, text_field="n"))
+    # a DatasetDict saved to disk: its train split is used
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": rows[:30]})}).save_to_disk(
+        str(tmp_path / "dd"))
+    dd = load_corpus(DataConfig(source="hf", path=str(tmp_path / "dd"), val_fraction=0.2))
+    assert dd.train.numel() + dd.val.numel() == sum(len(r) + 1 for r in rows[:30])
 
 
 def test_clear_errors(tmp_path):

@@ -115,3 +115,19 @@ def test_cli_end_to_end(corpus, cache_dir, tmp_path, monkeypatch, capsys):
     ]:
         with pytest.raises(CliError, match=message):
             _cli_in_process(args)
+
+
+@pytest.mark.timeout(120)
+def test_architecture_warmup_locks_then_unlocks(test_manifest, corpus):
+    from stages.model import build_stage
+
+    m = test_manifest.replace(warmup={"enabled": True, "groups": [[1]], "unlock_steps": [2]})
+    init = dict(build_stage(m, 1).named_parameters())
+    locked = train(m, steps=2, corpus=corpus, quiet=True)["stages"]
+    for n, p in locked[1].named_parameters():  # layer 1 is stage 1's only block: untouched while locked
+        assert torch.equal(p, init[n]), n
+    assert not torch.equal(locked[0].blocks[0].attn.qkv_proj.weight, build_stage(m, 0).blocks[0].attn.qkv_proj.weight)
+    grown = train(m, steps=4, corpus=corpus, quiet=True)["stages"]
+    writer = grown[1].blocks[0].attn.out_proj.weight
+    assert grown[1].blocks[0].active and writer.abs().sum() > 0
+    assert not torch.equal(grown[1].blocks[0].attn.qkv_proj.weight, init["blocks.0.attn.qkv_proj.weight"])
