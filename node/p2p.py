@@ -29,7 +29,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.frames import Frame, FrameDecoder, Limits, ProtocolError, Reason, encode_frame
+import numpy as np
+
+from protocol.frames import (
+    PREFIX_LEN,
+    Frame,
+    Limits,
+    ProtocolError,
+    Reason,
+    encode_frame,
+    parse_header,
+    parse_prefix,
+)
 from protocol.messages import make_reject
 
 logger = logging.getLogger(__name__)
@@ -42,9 +53,6 @@ PROTOCOLS = (FWD, BWD, STATE, HEALTH)
 
 # One read from the daemon's unix socket: large reads keep the per-byte cost of Python low.
 READ_CHUNK = 1 << 20
-# The asyncio StreamReader stops reading from the socket above 2 * limit buffered bytes; the
-# default (64 KiB) makes a 64 MiB frame cost ~500 pause/resume round trips.
-READER_LIMIT = 1 << 22
 # After a reject sent before the whole request was read, keep reading (and dropping) for up to
 # this long: closing a libp2p stream with unread data resets it, and a reset can overtake the
 # reject. The caller aborts the stream as soon as it has the reject, which ends the wait.
@@ -291,7 +299,6 @@ class Transport:
         respond: Callable[[Frame, str, asyncio.StreamWriter], Awaitable[None]],
     ) -> None:
         peer = info.peer_id.to_base58()
-        _widen(reader)
         if self._inflight >= self.max_inflight_handlers or self._incoming[peer] >= self.max_streams_per_peer:
             # answer before reading anything: the caller reads while it writes
             await self._send_reject(writer, protocol_id, Reason.BUSY, "too many concurrent streams")
@@ -302,7 +309,7 @@ class Transport:
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
-                    frame = await self._read_frame(reader, protocol_id)
+                    frame = await self._read_frame(reader, writer, protocol_id)
                 if frame is None:
                     raise ProtocolError(Reason.BAD_FRAME, "stream closed before a frame")
                 self.stats.served[protocol_id] += 1
@@ -382,7 +389,7 @@ class Transport:
         # Read while writing: a busy or rejecting peer answers before it has read our frame and
         # closes its side; its reply is what the caller needs, not the broken pipe.
         write_task = asyncio.ensure_future(self._write(writer, protocol_id, buffers))
-        read_task = asyncio.ensure_future(self._read_frame(reader, protocol_id))
+        read_task = asyncio.ensure_future(self._read_frame(reader, writer, protocol_id))
         try:
             await asyncio.wait([write_task, read_task], return_when=asyncio.FIRST_COMPLETED)
             if not read_task.done() and write_task.exception() is not None:
@@ -433,23 +440,20 @@ class Transport:
             try:
                 async with asyncio.timeout(timeout):
                     await self._write(writer, protocol_id, buffers)
-                decoder = FrameDecoder(self.limits)
                 while True:
-                    async with asyncio.timeout(timeout):
-                        try:
-                            data = await reader.read(READ_CHUNK)
-                        except (ConnectionError, OSError) as e:
-                            raise PeerUnreachable(f"{peer_id} broke the {protocol_id} stream: {e!r}") from e
-                    if not data:
-                        if not decoder.at_boundary:
-                            raise PeerUnreachable(f"{peer_id} cut the {protocol_id} stream inside a frame")
+                    try:
+                        async with asyncio.timeout(timeout):
+                            frame = await self._read_frame(reader, writer, protocol_id)
+                    except (ConnectionError, OSError) as e:
+                        raise PeerUnreachable(f"{peer_id} broke the {protocol_id} stream: {e!r}") from e
+                    except ProtocolError as e:
+                        if "stream ended" in e.detail:
+                            raise PeerUnreachable(f"{peer_id} cut the {protocol_id} stream: {e.detail}") from e
+                        raise
+                    if frame is None:
                         break
-                    self.stats.bytes[(protocol_id, "in")] += len(data)
-                    frames = decoder.feed(data)
-                    for frame in frames:
-                        self.stats.frames[(protocol_id, "in")] += 1
-                        self._raise_if_reject(protocol_id, frame)
-                        yield frame
+                    self._raise_if_reject(protocol_id, frame)
+                    yield frame
             except BaseException:
                 _abort(writer)
                 raise
@@ -489,26 +493,37 @@ class Transport:
             raise PeerUnreachable(f"cannot open {protocol_id} to {peer_id}: {e}") from e
         except (ConnectionError, OSError) as e:
             raise PeerUnreachable(f"the local p2pd is unreachable: {e!r}") from e
-        _widen(reader)
         return reader, writer
 
     # ------------------------------------------------------------------ frame I/O
 
-    async def _read_frame(self, reader: asyncio.StreamReader, protocol_id: str) -> Frame | None:
-        """Read exactly one frame and nothing past it. The decoder checks every limit before it
-        allocates. ``None`` on EOF before the first byte; ``ProtocolError`` on a bad or cut frame."""
-        decoder = FrameDecoder(self.limits)
-        while True:
-            data = await reader.read(min(READ_CHUNK, decoder.bytes_needed))
-            if not data:
-                if decoder.at_boundary:
-                    return None
-                decoder.eof()  # raises bad-frame: truncated
-            self.stats.bytes[(protocol_id, "in")] += len(data)
-            frames = decoder.feed(data)
-            if frames:
-                self.stats.frames[(protocol_id, "in")] += 1
-                return frames[0]
+    async def _read_frame(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol_id: str
+    ) -> Frame | None:
+        """Read exactly one frame and nothing past it; ``None`` on EOF before its first byte.
+
+        Prefix and header come through the StreamReader; every limit is checked on them (by
+        ``protocol.frames``) before the body is allocated. The body is then received straight
+        into its final buffer (see :class:`_BodyReceiver`), so tensor bytes are copied once,
+        kernel to body, as on a bare socket. ``ProtocolError`` on a bad or cut frame.
+        """
+        try:
+            prefix = await reader.readexactly(PREFIX_LEN)
+        except asyncio.IncompleteReadError as e:
+            if not e.partial:
+                return None
+            parse_prefix(e.partial, self.limits)  # a wrong magic is the better error
+            raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame prefix") from None
+        hlen = parse_prefix(prefix, self.limits)
+        try:
+            head = parse_header(await reader.readexactly(hlen), self.limits)
+        except asyncio.IncompleteReadError:
+            raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame header") from None
+        body = np.empty(head.body_len, dtype=np.uint8)  # size checked by parse_header
+        await _receive_into(reader, writer, memoryview(body))
+        self.stats.bytes[(protocol_id, "in")] += PREFIX_LEN + hlen + head.body_len
+        self.stats.frames[(protocol_id, "in")] += 1
+        return head.assemble(body)
 
     async def _write(self, writer: asyncio.StreamWriter, protocol_id: str, buffers: list) -> None:
         """Write an encoded frame: the buffers go to the socket as they are (no join, no copy)."""
@@ -535,10 +550,89 @@ def _encode(reply: Any) -> list:
     )
 
 
-def _widen(reader: asyncio.StreamReader) -> None:
-    # see READER_LIMIT; asyncio keeps the limit in a private attribute, uvloop uses asyncio's reader
-    if getattr(reader, "_limit", READER_LIMIT) < READER_LIMIT:
-        reader._limit = READER_LIMIT
+# Bodies smaller than this are read through the StreamReader (switching protocols costs more).
+DIRECT_BODY_MIN = 64 * 1024
+
+
+class _BodyReceiver(asyncio.BufferedProtocol):
+    """Takes over a connection to receive exactly ``len(view)`` bytes into ``view``.
+
+    The event loop then ``recv``s straight into the frame body (no StreamReader buffer, no
+    intermediate ``bytes``), asking for all the bytes still missing at once. It never asks for
+    more than the body, so no byte of a following frame lands here, and it hands the connection
+    back to the stream's own protocol the moment the body is full (or the peer is gone).
+    """
+
+    def __init__(self, transport: asyncio.Transport, previous: asyncio.BaseProtocol, view: memoryview):
+        self.transport, self.previous, self.view = transport, previous, view
+        self.filled = 0
+        self.done = asyncio.get_running_loop().create_future()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.filled == len(self.view):
+            self._hand_back(None)
+
+    def eof_received(self) -> bool | None:
+        self._hand_back(ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body"))
+        return self.previous.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._hand_back(exc or ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body"))
+        self.previous.connection_lost(exc)
+
+    # the writing side keeps its flow control (StreamWriter.drain) while we read
+    def pause_writing(self) -> None:
+        self.previous.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.previous.resume_writing()
+
+    def _hand_back(self, exc: BaseException | None) -> None:
+        if self.transport.get_protocol() is self:
+            self.transport.set_protocol(self.previous)
+        if not self.done.done():
+            if exc is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(exc)
+
+
+async def _receive_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, view: memoryview) -> None:
+    """Fill ``view`` with the next ``len(view)`` bytes of the stream."""
+    buffered = getattr(reader, "_buffer", None)  # asyncio keeps the read-ahead in a private bytearray
+    transport = writer.transport
+    if len(view) < DIRECT_BODY_MIN or not isinstance(buffered, bytearray) or transport.is_closing():
+        filled = 0
+        while filled < len(view):
+            try:
+                chunk = await reader.readexactly(min(READ_CHUNK, len(view) - filled))
+            except asyncio.IncompleteReadError:
+                raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body") from None
+            view[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return
+    # 1) what the StreamReader already read ahead (synchronously: nothing can arrive meanwhile)
+    n = min(len(buffered), len(view))
+    view[:n] = buffered[:n]
+    del buffered[:n]
+    if n == len(view):
+        return
+    if reader.at_eof() or reader.exception() is not None:
+        raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body")
+    # 2) the rest straight from the socket
+    receiver = _BodyReceiver(transport, transport.get_protocol(), view)
+    receiver.filled = n
+    transport.set_protocol(receiver)
+    transport.resume_reading()  # the StreamReader may have paused it when its buffer was full
+    try:
+        await receiver.done
+    finally:
+        if transport.get_protocol() is receiver:  # cancelled: give the connection back
+            transport.set_protocol(receiver.previous)
 
 
 async def _linger_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -182,6 +182,22 @@ async def test_malformed_frames_are_rejected_and_the_node_keeps_serving(pair):
     r = await raw_exchange(b, a.peer_id, FWD, not_msgpack)
     assert r.header["reason"] == "bad-frame"
 
+    # a body cut short (the caller vanishes mid-frame): the stream is dropped, its slot freed
+    from hivemind.p2p import PeerID
+
+    header = msgpack.packb({"v": 1, "type": "fwd", "tensors": [{"name": "c", "dtype": "uint8", "shape": [500_000]}],
+                            "body_len": 500_000})
+    _, _, writer = await b.p2p.call_binary_stream_handler(PeerID.from_base58(a.peer_id), FWD)
+    writer.write(b"SWN1" + len(header).to_bytes(4, "big") + header + b"\0" * 100_000)
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    for _ in range(100):
+        if a._inflight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert a._inflight == 0 and not a._incoming
+
     assert calls == []  # no malformed frame reached the handler
 
     # a handler that raises: reject/internal, not a crash
@@ -342,3 +358,62 @@ async def test_transport_shares_the_daemon_of_a_hivemind_dht():
             await caller.close()
         dht.shutdown()
     assert_no_p2pd_left()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_frames_are_received_straight_into_their_body_without_reading_past_them(monkeypatch):
+    """The read path on a plain socket pair: bodies arrive in odd pieces, go straight into the
+    body buffer (BufferedProtocol), and the next frame's bytes are left for the next read."""
+    import socket
+
+    import node.p2p as p2p
+    from protocol.frames import encode_frame_bytes
+
+    direct = []
+    original = p2p._BodyReceiver.buffer_updated
+
+    def counting(self, nbytes):
+        direct.append(nbytes)
+        return original(self, nbytes)
+
+    monkeypatch.setattr(p2p._BodyReceiver, "buffer_updated", counting)
+    x, y = torch.randn(300, 1000), torch.arange(70000)
+    data = encode_frame_bytes({"type": "fwd", "mb": 1}, [("x", x)]) + encode_frame_bytes(
+        {"type": "bwd", "mb": 2}, [("y", y)]) + encode_frame_bytes({"type": "ack", "mb": 3})
+
+    left, right = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=left)
+    t = Transport(None)
+
+    async def trickle(sock, payload):
+        loop = asyncio.get_running_loop()
+        for i in range(0, len(payload), 100_003):
+            await loop.sock_sendall(sock, payload[i : i + 100_003])
+            await asyncio.sleep(0.001)
+        sock.close()
+
+    right.setblocking(False)
+    sender = asyncio.create_task(trickle(right, data))
+    try:
+        f1 = await t._read_frame(reader, writer, "p")
+        f2 = await t._read_frame(reader, writer, "p")
+        f3 = await t._read_frame(reader, writer, "p")
+        assert await t._read_frame(reader, writer, "p") is None  # clean EOF at a frame boundary
+    finally:
+        await sender
+        writer.close()
+    assert torch.equal(f1.tensors["x"], x) and torch.equal(f2.tensors["y"], y) and f3.header["mb"] == 3
+    assert f1.tensors["x"].data_ptr() == f1.body.__array_interface__["data"][0]  # a view, not a copy
+    assert sum(direct) > len(data) // 2  # most bytes went socket -> body directly
+    assert t.stats.bytes[("p", "in")] == len(data) and t.stats.frames[("p", "in")] == 3
+
+    # a stream cut inside a body is a bad-frame, not a hang
+    left, right = socket.socketpair()
+    right.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=left)
+    sender = asyncio.create_task(trickle(right, data[: len(data) // 4]))
+    with pytest.raises(ProtocolError, match="inside the frame body"):
+        await asyncio.wait_for(t._read_frame(reader, writer, "p"), 5)
+    await sender
+    writer.close()
