@@ -367,9 +367,9 @@ class Node:
         rt.transport = transport
         self.transport = transport
         await rt.start()
+        self.metrics.attach_wire_stats(lambda: transport.stats.bytes)
         bg = [asyncio.ensure_future(self._announce_loop(PeerRecord)),
-              asyncio.ensure_future(rt.maintain(beat=self.server.beat if self.server else None)),
-              asyncio.ensure_future(self._wire_metrics_loop())]
+              asyncio.ensure_future(rt.maintain(beat=self.server.beat if self.server else None))]
         code = 0
         try:
             # ---- join
@@ -469,19 +469,6 @@ class Node:
                 await asyncio.wait_for(self._announce_now.wait(), self.cfg.announce_every)
             except asyncio.TimeoutError:
                 pass
-
-    async def _wire_metrics_loop(self) -> None:
-        """Copy the transport's byte counters into the Prometheus counters."""
-        last: dict = {}
-        names = {"/swarm-node/fwd/1": "fwd", "/swarm-node/bwd/1": "bwd", "/swarm-node/state/1": "state",
-                 "/swarm-node/health/1": "health"}
-        while True:
-            for (proto, direction), n in list(self.transport.stats.bytes.items()):
-                delta = n - last.get((proto, direction), 0)
-                if delta > 0:
-                    self.metrics.wire_bytes.labels(protocol=names.get(proto, proto), direction=direction).inc(delta)
-                    last[(proto, direction)] = n
-            await asyncio.sleep(1.0)
 
     async def _shutdown(self, bg) -> int:
         """Drain, checkpoint, announce offline, stop serving. Bounded by --drain-timeout (+ a few s)."""

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from stages.manifest import (
@@ -166,6 +165,9 @@ def start_dht(
         bootstrap_timeout=min(timeout, 5.0),
         wait_timeout=3,
         shutdown_timeout=5,
+        # hivemind's own check assumes RSA keys and spawns a second daemon; `swarm-node run`
+        # checks with node.identity.anonymous_identity_in_use before starting the DHT
+        check_if_identity_free=False,
         **p2p_options(local),
     )
     last: Exception | None = None
@@ -183,10 +185,8 @@ def start_dht(
                     f"identity {identity_path} is already online in this swarm (peer id in use); "
                     "stop the other node or use another key (swarm-node keygen)"
                 ) from None
-            if isinstance(e, P2PDaemonError) and "listen" in text.lower() and "address" in text.lower():
-                raise
-            if not initial_peers:
-                raise
+            if not initial_peers or not ("bootstrap" in text.lower() or isinstance(e, TimeoutError)):
+                raise  # not a reachability problem: retrying will not help
             log.warning("bootstrap attempt %d/%d failed: %s", attempt + 1, retries, text.strip()[:200])
             if attempt + 1 < retries:
                 time.sleep(retry_delay * 2**attempt)

@@ -18,6 +18,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -72,8 +73,8 @@ class NodeMetrics:
                                 ["protocol", "result"], registry=r)
         self.served = Counter("swarm_node_served", "Incoming requests by protocol and result",
                               ["protocol", "result"], registry=r)
-        self.wire_bytes = Counter("swarm_node_wire_bytes", "Bytes on our stream protocols",
-                                  ["protocol", "direction"], registry=r)
+        self._wire_source = None
+        r.register(_WireBytes(self))
         self.staleness = Histogram("swarm_node_staleness_steps",
                                    "Own optimizer steps between a microbatch's forward and its gradient",
                                    buckets=_STALENESS_BUCKETS, registry=r)
@@ -108,8 +109,47 @@ class NodeMetrics:
         for s in STATES:
             self.state.labels(state=s).set(1.0 if s == state else 0.0)
 
+    def attach_wire_stats(self, source) -> None:
+        """``source()`` -> ``{(protocol, direction): bytes}``, read at every scrape (the transport's
+        own counters, so a scrape is never behind the traffic)."""
+        self._wire_source = source
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WireBytes:
+    """Collector for ``swarm_node_wire_bytes_total{protocol, direction}``."""
+
+    NAMES = {"/swarm-node/fwd/1": "fwd", "/swarm-node/bwd/1": "bwd", "/swarm-node/state/1": "state",
+             "/swarm-node/health/1": "health"}
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return [CounterMetricFamily("swarm_node_wire_bytes", "Bytes on our stream protocols",
+                                    labels=["protocol", "direction"])]
+
+    def collect(self):
+        fam = CounterMetricFamily("swarm_node_wire_bytes", "Bytes on our stream protocols",
+                                  labels=["protocol", "direction"])
+        source = self.metrics._wire_source
+        raw: dict = {}
+        if source is not None:
+            for _ in range(3):  # the event loop may add a key while we copy
+                try:
+                    raw = dict(source())
+                    break
+                except RuntimeError:
+                    continue
+        counts = {(p, d): 0 for p in self.NAMES.values() for d in ("in", "out")}
+        for (proto, direction), n in raw.items():
+            key = (self.NAMES.get(proto, proto), direction)
+            counts[key] = counts.get(key, 0) + n
+        for (proto, direction), n in sorted(counts.items()):
+            fam.add_metric([proto, direction], float(n))
+        yield fam
 
 
 class MetricsServer:

@@ -233,6 +233,7 @@ class StageRuntime:
         self._last_probe: dict[str, float] = {}
         self._flags: dict[str, int] = collections.defaultdict(int)
         self._tokens_window: collections.deque = collections.deque()
+        self._window_lock = threading.Lock()
         self._loss_ema: float | None = None
         self.last_loss: float | None = None
         self.loss_history: list[tuple[int, float]] = []
@@ -580,7 +581,8 @@ class StageRuntime:
         self._accum += 1
         self.metrics.staleness.observe(delay)
         self.metrics.tokens.inc(tokens)
-        self._tokens_window.append((time.monotonic(), tokens))
+        with self._window_lock:
+            self._tokens_window.append((time.monotonic(), tokens))
         if loss is not None:
             self.last_loss = loss
             self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
@@ -610,6 +612,9 @@ class StageRuntime:
         v = self.la.version
         self.metrics.steps.inc()
         self.metrics.version.set(v)
+        if self.is_tail and self.last_loss is not None and (v == 1 or v % max(1, self.m.train.log_every) == 0):
+            log.info("step %d loss %.4f (ema %.4f) %.0f tokens/s", v, self.last_loss, self._loss_ema,
+                     self.tokens_per_s())
         if self.averager is not None:
             try:
                 self.averager.maybe_average(v)
@@ -818,12 +823,12 @@ class StageRuntime:
 
     def tokens_per_s(self, window: float = 10.0) -> float:
         now = time.monotonic()
-        while self._tokens_window and now - self._tokens_window[0][0] > window:
-            self._tokens_window.popleft()
-        if not self._tokens_window:
-            return 0.0
+        with self._window_lock:
+            while self._tokens_window and now - self._tokens_window[0][0] > window:
+                self._tokens_window.popleft()
+            total = sum(n for _, n in self._tokens_window)
         span = max(1.0, min(window, now - self._started))
-        return sum(n for _, n in self._tokens_window) / span
+        return total / span
 
     def _update_queue_gauges(self) -> None:
         if self.worker is not None:

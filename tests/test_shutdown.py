@@ -1,0 +1,82 @@
+"""Leaving: SIGTERM and SIGINT drain and exit 0 within a bound, leaving no p2pd process and no p2pd
+socket behind; a signal to the whole process group (systemd, `timeout`, Ctrl-C in a terminal)
+does too; and a node killed with -9 takes its DHT process and p2pd with it.
+
+Four lone nodes (each the first peer of its own swarm) start concurrently to keep this quick.
+The drain of in-flight microbatches mid-training is covered by tests/test_swarm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from node.demo import LocalSwarm, p2pd_pids_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+BOUND_S = 15.0
+
+
+def p2pd_sockets(pids: list[int]) -> list[str]:
+    """The unix control sockets of the p2pd processes of these nodes (from their command lines)."""
+    out = []
+    for pid in p2pd_pids_of(pids):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for a in args:
+            if a.startswith(b"-listen=/unix"):
+                out.append(a.decode()[len("-listen=/unix"):])
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie still answers kill(0); it is gone for our purpose
+        return open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+    except OSError:
+        return True
+
+
+def test_signals_leave_cleanly_and_kill_9_takes_p2pd_along(tmp_path):
+    sw = LocalSwarm("test", workdir=tmp_path)
+    try:
+        nodes = {name: sw.start_node(0, name=name) for name in ("term", "int", "group", "kill9")}
+        sw.wait_ready(timeout=150)
+        pids = {name: n.pid for name, n in nodes.items()}
+        sockets = {name: p2pd_sockets([pid]) for name, pid in pids.items()}
+        daemons = {name: p2pd_pids_of([pid]) for name, pid in pids.items()}
+        assert all(len(d) == 1 for d in daemons.values()), daemons
+        assert all(len(s) == 1 and os.path.exists(s[0]) for s in sockets.values()), sockets
+
+        t0 = time.monotonic()
+        nodes["term"].proc.send_signal(signal.SIGTERM)
+        nodes["int"].proc.send_signal(signal.SIGINT)
+        os.killpg(pids["group"], signal.SIGTERM)  # the whole group, as systemd and `timeout` do
+        os.kill(pids["kill9"], signal.SIGKILL)  # the node only: its children must follow
+        codes = {}
+        for name in ("term", "int", "group"):
+            codes[name] = nodes[name].proc.wait(BOUND_S + 10)
+        took = time.monotonic() - t0
+        assert codes == {"term": 0, "int": 0, "group": 0}, {k: n.logs()[-1500:] for k, n in nodes.items()}
+        assert took < BOUND_S, took
+        nodes["kill9"].proc.wait(5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(gone(d) for ds in daemons.values() for d in ds):
+            time.sleep(0.1)
+        for name, ds in daemons.items():
+            assert all(gone(d) for d in ds), f"{name}: p2pd {ds} still running"
+            assert not os.path.exists(sockets[name][0]), f"{name}: p2pd socket {sockets[name][0]} left behind"
+        for name in ("term", "int", "group"):
+            assert "left the swarm" in nodes[name].logs()
+            assert "Traceback" not in nodes[name].logs()
+    finally:
+        sw.close()
