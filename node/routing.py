@@ -14,7 +14,8 @@ of its stage, so it is treated as an average one rather than starved or flooded.
 score wins; ties are broken at random so equal replicas share the load.
 
 Failures ban a peer with exponential backoff: ``base · 2^(strikes-1)`` seconds, capped at
-``max_ban``. A success clears the strikes. Bans for cause (the verifier flagged the peer,
+``max_ban``. A success clears the strikes; a fresh DHT announcement from the peer (its own
+timestamp newer than when it failed: it restarted, or the network healed) lifts the ban early. Bans for cause (the verifier flagged the peer,
 it speaks another run) use an explicit duration.
 """
 
@@ -41,6 +42,8 @@ class PeerState:
     banned_until: float = 0.0
     ban_cause: str = ""
     in_dht: bool = True
+    announced: float = 0.0  # the peer's own timestamp on its latest DHT record
+    ban_announced: float = 0.0  # that timestamp when we banned it for being unreachable
 
 
 class Router:
@@ -73,6 +76,11 @@ class Router:
                 p.outstanding, p.rtt_ema = 0, None
             p.stage, p.state, p.throughput = r.stage, r.state, float(r.throughput)
             p.queue, p.version, p.maddrs, p.in_dht = int(r.queue), int(r.version), list(r.maddrs), True
+            p.announced = float(getattr(r, "time", 0.0))
+            if p.ban_cause == "unreachable" and p.announced > p.ban_announced and p.banned_until > self.clock():
+                # it re-announced itself after we found it unreachable (restarted, or the network
+                # healed): give it another chance now rather than at the end of its backoff
+                p.banned_until = 0.0
         now = self.clock()
         for pid in list(self.peers):
             if pid not in seen:
@@ -145,14 +153,15 @@ class Router:
         if p is not None:
             p.queue = max(p.queue + 1, 1)
 
-    def on_failure(self, peer: str, cause: str = "failure") -> float:
+    def on_failure(self, peer: str, cause: str = "unreachable") -> float:
         """Unreachable / timed out / broken reply: ban for ``base · 2^(strikes-1)`` s. Returns the ban."""
         p = self._get(peer)
         if p is None:
             p = self.peers[peer] = PeerState(peer, -1, in_dht=False)
         p.strikes += 1
         seconds = min(self.max_ban, self.ban_base * 2 ** (p.strikes - 1))
-        self._ban(p, seconds, cause)
+        self._ban(p, seconds, "unreachable" if cause in ("failure", "unreachable") else cause)
+        p.ban_announced = p.announced
         return seconds
 
     def ban(self, peer: str, seconds: float, cause: str) -> None:

@@ -17,6 +17,7 @@ class Rec:  # the fields of membership.PeerRecord the router reads
     queue: int = 0
     version: int = 0
     maddrs: list = field(default_factory=list)
+    time: float = 0.0
 
 
 class Clock:
@@ -86,7 +87,21 @@ def test_failures_ban_with_exponential_backoff_and_success_clears():
     clock.t += 10.1
     r.on_ack("a", 0.01, queue=0)  # a success clears the strikes
     assert r.on_failure("a") == 2.0
-    assert r.bans_total["failure"] == 5
+    assert r.bans_total["unreachable"] == 5
+
+
+def test_a_fresh_announcement_lifts_an_unreachable_ban():
+    r, clock = make([Rec("a", 1, time=50.0), Rec("b", 1, time=50.0)])
+    r.on_failure("a")
+    r.on_failure("a")
+    assert r.is_banned("a")
+    r.update([Rec("a", 1, time=50.0), Rec("b", 1, time=51.0)])  # its old record: still banned
+    assert r.is_banned("a")
+    r.update([Rec("a", 1, time=60.0), Rec("b", 1, time=61.0)])  # it announced itself again
+    assert not r.is_banned("a") and r.choose(1, exclude={"b"}) == "a"
+    r.ban("b", 30.0, "verifier")  # a ban for cause is not lifted by announcing
+    r.update([Rec("a", 1, time=70.0), Rec("b", 1, time=71.0)])
+    assert r.is_banned("b")
 
 
 def test_ban_for_cause_outlives_a_dht_refresh_then_expires():

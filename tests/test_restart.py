@@ -1,0 +1,67 @@
+"""Restart: a node killed with -9 and started again with the same identity and checkpoint dir
+resumes at its newest checkpoint (same peer id, same stage, optimizer version = the checkpoint's
+step) and the swarm trains on.
+
+A two-stage variant of runs/test.toml keeps this to three processes (bootstrap, head, tail).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from node.checkpoint import list_checkpoints
+from node.demo import LocalSwarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_killed_node_resumes_from_its_checkpoint_with_the_same_identity(tmp_path):
+    from node.identity import write_identity
+
+    manifest = tmp_path / "two-stage.toml"
+    manifest.write_text((ROOT / "runs" / "test.toml").read_text().replace(
+        "layout = [[0, 1], [1, 2], [2, 3]]", "layout = [[0, 2], [2, 3]]"))
+    key = tmp_path / "tail.key"
+    peer_id = write_identity(key)
+    ckpt = tmp_path / "ckpt"
+    sw = LocalSwarm(str(manifest), workdir=tmp_path / "swarm")
+    try:
+        sw.start_bootstrap()
+        sw.start_node(0, name="head")
+        tail_args = dict(identity=str(key), checkpoint_dir=str(ckpt), extra=["--checkpoint-every", "10"])
+        tail = sw.start_node(1, name="tail", **tail_args)
+        sw.wait_ready(timeout=150)
+        assert f"peer {peer_id} holds stage 1/2" in tail.output()
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and sw.value(tail, "swarm_node_version") < 25:
+            time.sleep(0.25)
+        sw.kill(tail)
+        saved = list_checkpoints(ckpt)
+        assert saved, "no checkpoint was written"
+        newest = saved[0][0]
+        assert newest >= 20 and newest % 10 == 0
+
+        again = sw.start_node(1, name="tail-again", **tail_args)  # the same key and directory
+        sw.wait_ready([again], timeout=150)
+        out = again.output()
+        assert f"resumed stage 1 from checkpoint step {newest}" in out
+        assert f"peer {peer_id} holds stage 1/2" in out  # the same identity
+        assert re.search(rf"online: stage 1, version {newest}\b", out), out
+        # it trains on from there, and the head is back to full speed
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sw.value(again, "swarm_node_version") < newest + 20:
+            time.sleep(0.25)
+        assert sw.value(again, "swarm_node_version") >= newest + 20, again.logs()[-3000:]
+        assert sw.value(again, "swarm_node_steps_total") >= 20
+        losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", again.logs())]
+        assert losses and max(losses) < 5.0  # a resumed model, not a fresh one (ln 256 = 5.55)
+    finally:
+        codes = sw.close()
+    assert codes["head"] == 0 and codes["tail-again"] == 0, codes
