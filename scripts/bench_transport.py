@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,8 +62,10 @@ async def serve() -> None:
     transport = await Transport.start(limits=Limits(max_body_bytes=expect.max_body_bytes()))
 
     def on_fwd(frame, peer):
+        t0 = time.perf_counter()
         f = validate_fwd(frame, expect, peer)
-        return make_ack(f.mb, 1, 0)
+        # the ack reports how long validation took, so the client can show that share of the cost
+        return make_ack(f.mb, 1, 0, check_us=int(1e6 * (time.perf_counter() - t0)))
 
     async def on_raw(info, reader, writer):
         try:
@@ -71,13 +74,14 @@ async def serve() -> None:
             while got < n:
                 chunk = await reader.read(min(1 << 20, n - got))
                 if not chunk:
+                    print(f"# raw server: stream ended after {got} of {n} bytes", file=sys.stderr, flush=True)
                     return
                 chunks.append(chunk)
                 got += len(chunk)
             writer.write(b"\x01")
             await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            print(f"# raw server: {e!r}", file=sys.stderr, flush=True)
         finally:
             writer.close()
 
@@ -103,8 +107,16 @@ async def serve() -> None:
     p2pd = [p.pid for p in psutil.Process().children() if p.name() == "p2pd"]
     maddr = (await transport.visible_maddrs())[0]
     print(json.dumps({"maddr": maddr, "p2pd": p2pd}), flush=True)
-    # run until the parent closes our stdin
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    # run until the parent closes our stdin or terminates us; then stop p2pd cleanly
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    waiters = [asyncio.ensure_future(stdin.read()), asyncio.ensure_future(stop.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
     await transport.close()
 
 
@@ -135,6 +147,7 @@ class Client:
     def __init__(self, transport, server_peer: str):
         self.t = transport
         self.peer = server_peer
+        self.check_us: list[int] = []
 
     async def ours(self, c, ids, mb: int) -> None:
         from node.p2p import FWD
@@ -143,6 +156,7 @@ class Client:
         frame = make_fwd(RUN, MANIFEST, mb, 0, 0, [self.t.peer_id], c, ids, sent_ms=0)
         reply = parse_reply(await self.t.request(self.peer, FWD, frame, timeout=120))
         assert reply.ok and reply.mb == mb
+        self.check_us.append(reply.header["check_us"])
 
     async def raw(self, c, ids, mb: int) -> None:
         from hivemind.p2p import PeerID
@@ -199,10 +213,19 @@ async def run_cell(client, path: str, mib: int, streams: int, frames: int, procs
     nbytes = c.numel() * 4 + ids.numel() * 8
     await fn(c, ids, 0)  # warm: stream setup paths, allocator
     counter = iter(range(1, frames + 1))
+    errors: list[str] = []
+    client.check_us.clear()
 
     async def worker():
         for mb in counter:
-            await fn(c, ids, mb)
+            for attempt in range(3):  # a failed exchange is counted and redone, never hidden
+                try:
+                    await fn(c, ids, mb)
+                    break
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}"[:200])
+            else:
+                raise RuntimeError(f"{path}: 3 failed attempts: {errors[-3:]}")
 
     cpu0, t0 = cpu_seconds(procs), time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(streams)])
@@ -213,6 +236,10 @@ async def run_cell(client, path: str, mib: int, streams: int, frames: int, procs
         "cpu_s_per_gib": round(cpu / (moved / (1 << 30)), 2),
         "frames": frames,
         "wall_s": round(wall, 3),
+        "errors": len(errors),
+        **({"first_error": errors[0]} if errors else {}),
+        **({"server_check_ms_per_frame": round(statistics.mean(client.check_us) / 1000, 2)}
+           if path == "ours" and client.check_us else {}),
     }
 
 
@@ -236,18 +263,22 @@ async def rtt(client, path: str, n: int) -> dict:
     }
 
 
-async def bench(args) -> dict:
+def start_server() -> subprocess.Popen:
+    """The receiving node, in its own process (started first: it imports while we do)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+
+
+async def bench(args, server: subprocess.Popen) -> dict:
     import psutil
     import torch
 
     from node.p2p import Transport
 
     torch.set_num_threads(1)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    server = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--serve"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-    )
     transport = None
     try:
         line = await asyncio.get_running_loop().run_in_executor(None, server.stdout.readline)
@@ -281,10 +312,15 @@ async def bench(args) -> dict:
                         runs.append(await run_cell(client, path, mib, streams, n, procs, data))
                     best = max(runs, key=lambda r: r["goodput_mib_s"])
                     cell = {"path": path, "payload_mib": mib, "streams": streams, **best,
-                            "all_goodput_mib_s": [r["goodput_mib_s"] for r in runs]}
+                            "all_goodput_mib_s": [r["goodput_mib_s"] for r in runs],
+                            "errors": sum(r["errors"] for r in runs)}
+                    first = [r["first_error"] for r in runs if "first_error" in r]
+                    if first:
+                        cell["first_error"] = first[0]
                     matrix.append(cell)
                     print(f"# {path:8s} {mib:3d} MiB x{streams}: {best['goodput_mib_s']:7.1f} MiB/s "
-                          f"{best['cpu_s_per_gib']:6.2f} cpu-s/GiB  runs {cell['all_goodput_mib_s']}",
+                          f"{best['cpu_s_per_gib']:6.2f} cpu-s/GiB  runs {cell['all_goodput_mib_s']} "
+                          f"errors {cell['errors']} check_ms {best.get('server_check_ms_per_frame')}",
                           file=sys.stderr, flush=True)
             del data
 
@@ -363,11 +399,22 @@ def main() -> int:
         asyncio.run(serve())
         return 0
     if args.quick:
-        args.sizes, args.streams, args.mib_per_cell, args.repeats, args.rtt_n = [8], [1], 48, 1, 50
-        args.protobuf_divisor, args.min_frames, args.warmup_frames = 2, 2, 4
+        args.sizes, args.streams, args.mib_per_cell, args.repeats, args.rtt_n = [8], [1], 32, 1, 30
+        args.protobuf_divisor, args.min_frames, args.warmup_frames = 2, 2, 2
     if not all(1 <= s <= MAX_B for s in args.sizes):
         ap.error(f"--sizes must be in 1..{MAX_B} MiB")
-    print(json.dumps(asyncio.run(bench(args))))
+    server = start_server()
+    try:
+        result = asyncio.run(bench(args, server))
+    finally:
+        if server.poll() is None:  # bench() failed before its own shutdown: SIGTERM stops p2pd too
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    print(json.dumps(result))
     return 0
 
 

@@ -417,3 +417,25 @@ async def test_frames_are_received_straight_into_their_body_without_reading_past
         await asyncio.wait_for(t._read_frame(reader, writer, "p"), 5)
     await sender
     writer.close()
+
+
+@pytest.mark.timeout(180)
+def test_bench_transport_quick_prints_one_json_object():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_transport.py"
+    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert set(r["goodput_mib_s"]) == {"ours", "protobuf", "raw"} and all(v > 0 for v in r["goodput_mib_s"].values())
+    assert r["ratio_vs_protobuf"] == round(r["goodput_mib_s"]["ours"] / r["goodput_mib_s"]["protobuf"], 2)
+    assert r["ratio_vs_raw_stream"] == round(r["goodput_mib_s"]["ours"] / r["goodput_mib_s"]["raw"], 2)
+    assert 0 < r["rtt_small_p50_ms"] <= r["rtt_small_p99_ms"]
+    assert {(m["path"], m["payload_mib"], m["streams"]) for m in r["matrix"]} == {
+        ("ours", 8, 1), ("protobuf", 8, 1), ("raw", 8, 1)}
+    assert all(m["errors"] == 0 and m["cpu_s_per_gib"] > 0 for m in r["matrix"])
+    assert r["settings"]["quick"] is True
+    assert_no_p2pd_left()
