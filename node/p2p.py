@@ -3,12 +3,14 @@
 One libp2p stream carries one exchange. For ``fwd``, ``bwd`` and ``health`` the caller writes one
 request frame and reads one reply frame (``ack``, ``reject`` or a typed reply); for ``state`` the
 server answers one request with a stream of frames and closes. Frames are the sans-I/O format of
-``protocol.frames``; this module only moves their bytes, enforces the limits while reading (the
-decoder refuses a frame before allocating its body), and turns replies into exceptions.
+``protocol.frames``; this module only moves their bytes, enforces the limits while reading (a
+frame is refused from its prefix and header, before its body is allocated), and turns replies
+into exceptions.
 
 Why binary streams and not hivemind's protobuf handlers: a tensor then crosses the wire as its own
-bytes, with no protobuf message around it, no 2 MiB chunking and no extra copies (see
-``scripts/bench_transport.py`` for the measured difference).
+bytes, with no protobuf message around it and no split/re-join, and a received body goes from the
+socket straight into the buffer its tensors view (see ``scripts/bench_transport.py`` for the
+measured difference).
 
 Backpressure is explicit: a server that already runs ``max_streams_per_peer`` exchanges for one
 peer, or ``max_inflight_handlers`` in total, answers ``reject``/``busy`` at once without reading
@@ -249,13 +251,14 @@ class Transport:
 
     # ------------------------------------------------------------------ serving
 
-    async def serve(self, protocol_id: str, handler: Handler) -> None:
+    async def serve(self, protocol_id: str, handler: Handler, *, limits: Limits | None = None) -> None:
         """Answer each stream of ``protocol_id`` with one reply frame from ``handler(frame, peer)``.
 
         The handler returns ``(header, [(name, tensor), ...])`` or an encoded frame (the buffer
         list of ``protocol.messages.make_*``), or an awaitable of either. It may raise
         :class:`ProtocolError` (the peer gets ``reject`` with its reason); any other exception
-        becomes ``reject``/``internal`` and is logged, never propagated.
+        becomes ``reject``/``internal`` and is logged, never propagated. ``limits`` overrides the
+        transport's limits for requests of this protocol (e.g. ``Expect.max_body_bytes()`` on fwd).
         """
 
         async def respond(frame: Frame, peer: str, writer: asyncio.StreamWriter) -> None:
@@ -264,9 +267,11 @@ class Transport:
                 reply = await reply
             await self._write(writer, protocol_id, _encode(reply))
 
-        await self._register(protocol_id, respond)
+        await self._register(protocol_id, respond, limits)
 
-    async def serve_stream(self, protocol_id: str, handler: StreamHandler) -> None:
+    async def serve_stream(
+        self, protocol_id: str, handler: StreamHandler, *, limits: Limits | None = None
+    ) -> None:
         """Answer each stream of ``protocol_id`` with every frame ``handler(frame, peer)`` yields
         (same forms as for :meth:`serve`), then close it (``/swarm-node/state/1``)."""
 
@@ -274,14 +279,16 @@ class Transport:
             async for reply in handler(frame, peer):
                 await self._write(writer, protocol_id, _encode(reply))
 
-        await self._register(protocol_id, respond)
+        await self._register(protocol_id, respond, limits)
 
-    async def _register(self, protocol_id: str, respond: Callable[..., Awaitable[None]]) -> None:
+    async def _register(
+        self, protocol_id: str, respond: Callable[..., Awaitable[None]], limits: Limits | None
+    ) -> None:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             self._tasks.add(task)
             try:
-                await self._on_stream(protocol_id, info, reader, writer, respond)
+                await self._on_stream(protocol_id, info, reader, writer, respond, limits or self.limits)
             except asyncio.CancelledError:
                 pass  # close() or loop shutdown; this task is the root of the connection, nobody awaits it
             finally:
@@ -297,6 +304,7 @@ class Transport:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         respond: Callable[[Frame, str, asyncio.StreamWriter], Awaitable[None]],
+        limits: Limits,
     ) -> None:
         peer = info.peer_id.to_base58()
         if self._inflight >= self.max_inflight_handlers or self._incoming[peer] >= self.max_streams_per_peer:
@@ -309,7 +317,7 @@ class Transport:
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
-                    frame = await self._read_frame(reader, writer, protocol_id)
+                    frame = await self._read_frame(reader, writer, protocol_id, limits)
                 if frame is None:
                     raise ProtocolError(Reason.BAD_FRAME, "stream closed before a frame")
                 self.stats.served[protocol_id] += 1
@@ -358,6 +366,7 @@ class Transport:
         tensors: Tensors = (),
         *,
         timeout: float,
+        limits: Limits | None = None,
     ) -> Frame:
         """Send one frame, return the reply frame.
 
@@ -365,14 +374,15 @@ class Transport:
         list of ``protocol.messages.make_*``) as ``header``. Raises :class:`PeerBusy`,
         :class:`PeerRejected` (``.reason``, ``.detail``), :class:`PeerUnreachable`,
         ``asyncio.TimeoutError`` (the whole exchange took longer than ``timeout`` s), or
-        ``ProtocolError`` if the reply itself is malformed. Cancelling the call resets the stream.
+        ``ProtocolError`` if the reply itself is malformed or breaks ``limits`` (default: the
+        transport's). Cancelling the call resets the stream.
         """
         buffers = _encode((header, tensors))
         self.stats.requests[protocol_id] += 1
         async with asyncio.timeout(timeout):
             async with self._peer_slot(peer_id):
                 reader, writer = await self._open(peer_id, protocol_id)
-                reply = await self._exchange(peer_id, protocol_id, reader, writer, buffers)
+                reply = await self._exchange(peer_id, protocol_id, reader, writer, buffers, limits or self.limits)
         if reply is None:
             raise PeerUnreachable(f"{peer_id} closed the {protocol_id} stream without a reply")
         self._raise_if_reject(protocol_id, reply)
@@ -385,11 +395,12 @@ class Transport:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         buffers: list,
+        limits: Limits,
     ) -> Frame | None:
         # Read while writing: a busy or rejecting peer answers before it has read our frame and
         # closes its side; its reply is what the caller needs, not the broken pipe.
         write_task = asyncio.ensure_future(self._write(writer, protocol_id, buffers))
-        read_task = asyncio.ensure_future(self._read_frame(reader, writer, protocol_id))
+        read_task = asyncio.ensure_future(self._read_frame(reader, writer, protocol_id, limits))
         try:
             await asyncio.wait([write_task, read_task], return_when=asyncio.FIRST_COMPLETED)
             if not read_task.done() and write_task.exception() is not None:
@@ -424,6 +435,7 @@ class Transport:
         tensors: Tensors = (),
         *,
         timeout: float,
+        limits: Limits | None = None,
     ) -> AsyncIterator[Frame]:
         """Send one frame, then yield the reply frames until the server closes the stream.
 
@@ -443,7 +455,7 @@ class Transport:
                 while True:
                     try:
                         async with asyncio.timeout(timeout):
-                            frame = await self._read_frame(reader, writer, protocol_id)
+                            frame = await self._read_frame(reader, writer, protocol_id, limits or self.limits)
                     except (ConnectionError, OSError) as e:
                         raise PeerUnreachable(f"{peer_id} broke the {protocol_id} stream: {e!r}") from e
                     except ProtocolError as e:
@@ -498,7 +510,7 @@ class Transport:
     # ------------------------------------------------------------------ frame I/O
 
     async def _read_frame(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol_id: str
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol_id: str, limits: Limits | None = None
     ) -> Frame | None:
         """Read exactly one frame and nothing past it; ``None`` on EOF before its first byte.
 
@@ -507,16 +519,17 @@ class Transport:
         into its final buffer (see :class:`_BodyReceiver`), so tensor bytes are copied once,
         kernel to body, as on a bare socket. ``ProtocolError`` on a bad or cut frame.
         """
+        limits = limits or self.limits
         try:
             prefix = await reader.readexactly(PREFIX_LEN)
         except asyncio.IncompleteReadError as e:
             if not e.partial:
                 return None
-            parse_prefix(e.partial, self.limits)  # a wrong magic is the better error
+            parse_prefix(e.partial, limits)  # a wrong magic is the better error
             raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame prefix") from None
-        hlen = parse_prefix(prefix, self.limits)
+        hlen = parse_prefix(prefix, limits)
         try:
-            head = parse_header(await reader.readexactly(hlen), self.limits)
+            head = parse_header(await reader.readexactly(hlen), limits)
         except asyncio.IncompleteReadError:
             raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame header") from None
         body = np.empty(head.body_len, dtype=np.uint8)  # size checked by parse_header

@@ -209,6 +209,12 @@ async def test_malformed_frames_are_rejected_and_the_node_keeps_serving(pair):
     # ... and the node still serves well-formed frames
     reply = await b.request(a.peer_id, FWD, {"type": "fwd", "mb": 5}, [("c", torch.ones(3))], timeout=20)
     assert parse_reply(reply).ok and calls == [666, 5]
+    # limits per protocol: a tight one on bwd, the transport's on fwd
+    await a.serve(BWD, lambda frame, peer: make_ack(0, 1, 0), limits=Limits(max_body_bytes=64))
+    with pytest.raises(PeerRejected) as e:
+        await b.request(a.peer_id, BWD, {"type": "bwd"}, [("g", torch.zeros(17))], timeout=20)
+    assert e.value.reason == "too-large"
+    assert parse_reply(await b.request(a.peer_id, BWD, {"type": "bwd"}, [("g", torch.zeros(16))], timeout=20)).ok
     # a reply that breaks the requester's limits is refused on the requester's side too
     b.limits = Limits(max_body_bytes=8)
 
