@@ -6,7 +6,10 @@ round) and hands it to hivemind's ``DecentralizedAverager``, which finds the oth
 the stage through the DHT (matchmaking under one key per stage) and all-reduces the slice. The
 training loop never waits: ``maybe_average`` only starts a round when one is due and none is in
 flight, and applies a finished round as a delta against its snapshot,
-``θ[S] += λ·(avg − θ^snap[S])``, so the steps taken while the round ran are kept.
+``θ[S] += λ·(avg − θ^snap[S])``, so the steps taken while the round ran are kept. With the
+staleness correction on (``asyncmesh.avg_correction``), the optimizer's first moments on the
+same slice are averaged too, their delta scaled by β^s for a round that took s steps
+(``stages.asyncmesh.StalenessCorrection``; docs/ASYNCMESH.md has the measurement).
 
 A round that fails or times out is dropped (the next one is H steps later); a replica whose
 ``peers_fn`` says it is alone does not even start one. Replicas agree on which slice a round
@@ -32,7 +35,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from stages.asyncmesh import PartitionSchedule, StalenessCorrection, apply_average_delta, snapshot
+from stages.asyncmesh import (
+    PartitionSchedule,
+    StalenessCorrection,
+    apply_average_delta,
+    first_moments,
+    snapshot,
+)
 
 log = logging.getLogger("swarm.averaging")
 
@@ -57,8 +66,10 @@ class AveragingStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     last_group_size: int = 0
-    last_lambda: float = 1.0
+    last_moment_lambda: float = 0.0  # mean β^s applied to the moments' delta (0: not averaged)
     last_elapsed_steps: int = 0
+    last_round: int = -1  # number of the last applied round (its slice: schedule.indices(last_round))
+    last_snapshot_step: int = -1  # local step at which the last applied round took its snapshot
     last_delta_norm: float = 0.0
     last_round_seconds: float = 0.0
 
@@ -72,6 +83,8 @@ class _Round:
     start_step: int
     indices: list[torch.Tensor]
     snap: torch.Tensor
+    moment_snap: torch.Tensor | None
+    moment_mask: list[bool]
     started: float
     future: concurrent.futures.Future | None = None
     control: object = None  # hivemind StepControl, set by the worker; close() cancels it
@@ -82,7 +95,7 @@ class ReplicaAverager:
 
     Wiring in the stage runtime::
 
-        avg = ReplicaAverager(dht, [p for _, p in stage.named_parameters()],
+        avg = ReplicaAverager(dht, [p for _, p in stage.named_parameters()], optimizer=optimizer,
                               prefix=averaging_prefix(m.run.id, stage_index), fraction=m.asyncmesh.avg_fraction,
                               every=m.asyncmesh.avg_every, seed=m.run.seed + stage_index,
                               correction=m.asyncmesh.avg_correction, timeout=m.asyncmesh.avg_timeout_s)
@@ -93,6 +106,9 @@ class ReplicaAverager:
     ``maybe_average`` mutates ``params`` in place (when a round finished), so call it between
     optimizer steps, never during a backward. ``peers_fn`` (optional) returns how many replicas
     of this stage are online, this one included; with fewer than two no round starts.
+    ``optimizer`` gives the first moments the correction averages; without it (or with the
+    correction off) only parameters are averaged. The buffer (and so the hivemind schema every
+    replica must share) depends only on ``correction``: 1 or 2 float32 slices of ``max_size``.
     """
 
     def __init__(
@@ -100,6 +116,7 @@ class ReplicaAverager:
         dht,
         params: Sequence[torch.Tensor],
         *,
+        optimizer: torch.optim.Optimizer | None = None,
         prefix: str,
         fraction: float,
         every: int,
@@ -120,17 +137,19 @@ class ReplicaAverager:
             )
         self.params = list(params)
         self.schedule = PartitionSchedule([p.shape for p in self.params], fraction, seed)
-        buffer_bytes = 4 * self.schedule.max_size
+        slices = 2 if correction else 1
+        buffer_bytes = 4 * slices * self.schedule.max_size
         if buffer_bytes > max_round_bytes:
             raise ValueError(
                 f"one averaging round would send {buffer_bytes} bytes (> {max_round_bytes}); "
                 "lower asyncmesh.avg_fraction"
             )
         self.dht, self.prefix, self.every, self.timeout = dht, prefix, every, timeout
-        self.correction = StalenessCorrection(correction, self.schedule.n_partitions, every)
+        self.optimizer = optimizer
+        self.correction = StalenessCorrection(correction)
         self.peers_fn = peers_fn
         self.stats = AveragingStats()
-        self._buffer = torch.zeros(self.schedule.max_size, dtype=torch.float32)
+        self._buffer = torch.zeros(slices * self.schedule.max_size, dtype=torch.float32)
         self._averager_kwargs = dict(
             prefix=prefix,
             min_group_size=2,
@@ -232,7 +251,12 @@ class ReplicaAverager:
         self._next_round += 1
         indices = self.schedule.indices(number)
         snap = snapshot(self.params, indices)
-        rnd = _Round(number, local_step, indices, snap, time.monotonic())
+        moment_snap, mask = None, [False] * len(self.params)
+        if self.correction.enabled:
+            moments, _ = self._moments()
+            mask = [m is not None for m in moments]
+            moment_snap = snapshot(moments, indices)
+        rnd = _Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic())
         rnd.future = self._worker.submit(self._run_round, rnd)
         self._round = rnd
         self.stats.rounds_started += 1
@@ -241,7 +265,7 @@ class ReplicaAverager:
         rnd, self._round = self._round, None
         self.stats.last_round_seconds = time.monotonic() - rnd.started
         try:
-            averaged, rounds = rnd.future.result()
+            averaged, rounds, masks = rnd.future.result()
         except Exception as e:  # noqa: BLE001 - any failure of a round only skips it
             self.stats.rounds_failed += 1
             log.info("averaging round %d failed (skipped): %s", rnd.number, str(e).strip()[:200] or type(e).__name__)
@@ -257,37 +281,61 @@ class ReplicaAverager:
             log.info("averaging round numbers disagree %s; resynchronising at %d", sorted(rounds), self._next_round)
             return False
         elapsed = local_step - rnd.start_step
-        lam = self.correction.lam(elapsed)
+        self.correction.observe(elapsed)
+        n = rnd.snap.numel()
         try:
-            norm = apply_average_delta(self.params, rnd.indices, rnd.snap, averaged, lam)
+            norm = apply_average_delta(self.params, rnd.indices, rnd.snap, averaged[:n], 1.0)
+            lam_m = [0.0] * len(self.params)
+            if rnd.moment_snap is not None:
+                moments, decays = self._moments()
+                agreed = [all(col) and m is not None for col, m in zip(zip(rnd.moment_mask, *masks), moments)]
+                lam_m = [lam if ok else 0.0 for lam, ok in zip(self.correction.moment_lambdas(elapsed, decays), agreed)]
+                m0 = self.schedule.max_size
+                apply_average_delta(moments, rnd.indices, rnd.moment_snap, averaged[m0 : m0 + n], lam_m)
         except ValueError as e:
             self.stats.rounds_failed += 1
             log.warning("averaging round %d rejected: %s", rnd.number, e)
             return False
         self.stats.rounds_applied += 1
-        self.stats.last_lambda, self.stats.last_elapsed_steps, self.stats.last_delta_norm = lam, elapsed, norm
+        self.stats.last_elapsed_steps, self.stats.last_delta_norm = elapsed, norm
+        self.stats.last_round, self.stats.last_snapshot_step = rnd.number, rnd.start_step
+        self.stats.last_moment_lambda = sum(lam_m) / max(1, len(lam_m))
         return True
+
+    def _moments(self) -> tuple[list[torch.Tensor | None], list[float]]:
+        if self.optimizer is None:
+            return [None] * len(self.params), [0.0] * len(self.params)
+        return first_moments(self.optimizer, self.params)
 
     # ------------------------------------------------------------------ worker thread
 
-    def _run_round(self, rnd: _Round) -> tuple[torch.Tensor, list[int]]:
+    def _run_round(self, rnd: _Round) -> tuple[torch.Tensor, list[int], list[list[bool]]]:
         averager = self._averager
         if averager is None:
             raise RuntimeError("closed")
-        n = rnd.snap.numel()
+        n, m0 = rnd.snap.numel(), self.schedule.max_size
         with averager.get_tensors() as (buf,):
             buf.zero_()
             buf[:n].copy_(rnd.snap)
-        rnd.control = averager.step(gather={"round": rnd.number}, timeout=self.timeout, wait=False)
+            if rnd.moment_snap is not None:
+                buf[m0 : m0 + n].copy_(rnd.moment_snap)
+        gather = {"round": rnd.number, "moments": rnd.moment_mask}
+        rnd.control = averager.step(gather=gather, timeout=self.timeout, wait=False)
         gathered = rnd.control.result(timeout=2 * self.timeout + 5)
         if not gathered:
             raise RuntimeError("no group")
-        rounds = []
+        rounds, masks = [], []
         for info in gathered.values():
             r = info.get("round") if isinstance(info, dict) else None
+            mask = info.get("moments") if isinstance(info, dict) else None
             if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < 2**62:
-                raise RuntimeError(f"bad round number from a peer: {info!r}")
+                raise RuntimeError(f"bad round number from a peer: {str(info)[:100]}")
+            if not isinstance(mask, list) or len(mask) != len(rnd.moment_mask) or not all(
+                isinstance(x, bool) for x in mask
+            ):
+                raise RuntimeError(f"bad moment mask from a peer: {str(info)[:100]}")
             rounds.append(r)
+            masks.append(mask)
         with averager.get_tensors() as (buf,):
-            averaged = buf[:n].clone()
-        return averaged, rounds
+            averaged = buf.clone()
+        return averaged, rounds, masks

@@ -459,27 +459,35 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def snapshot(tensors: Sequence[torch.Tensor], indices: Sequence[torch.Tensor]) -> torch.Tensor:
-    """θ^snap[S]: the values at ``indices`` (from ``PartitionSchedule.indices``), as one float32 vector."""
+def snapshot(tensors: Sequence[torch.Tensor | None], indices: Sequence[torch.Tensor]) -> torch.Tensor:
+    """θ^snap[S]: the values at ``indices`` (from ``PartitionSchedule.indices``), as one float32
+    vector (zeros for a None tensor)."""
     if len(tensors) != len(indices):
         raise ValueError(f"{len(tensors)} tensors but {len(indices)} index tensors")
-    parts = [_flat(t)[i.to(t.device)].float().cpu() for t, i in zip(tensors, indices)]
+    parts = [
+        torch.zeros(i.numel()) if t is None else _flat(t)[i.to(t.device)].float().cpu()
+        for t, i in zip(tensors, indices)
+    ]
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
 @torch.no_grad()
 def apply_average_delta(
-    tensors: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor | None],
     indices: Sequence[torch.Tensor],
     snapshot_vals: torch.Tensor,
     averaged_vals: torch.Tensor,
-    lam: float = 1.0,
+    lam: float | Sequence[float] = 1.0,
 ) -> float:
     """θ[S] ← θ[S] + λ·(avg − θ^snap[S]), in place; returns ‖avg − θ^snap‖₂.
 
     What the replica learned on S since the snapshot (θ[S] − θ^snap[S]) is kept; only the
-    disagreement with the other replicas at snapshot time is removed.
+    disagreement with the other replicas at snapshot time is removed. ``lam`` is one number or
+    one per tensor; a None tensor (e.g. a moment that does not exist yet) is skipped.
     """
+    lams = [float(lam)] * len(tensors) if isinstance(lam, (int, float)) else [float(x) for x in lam]
+    if len(lams) != len(tensors):
+        raise ValueError(f"{len(lams)} lambdas for {len(tensors)} tensors")
     n = sum(int(i.numel()) for i in indices)
     if snapshot_vals.numel() != n or averaged_vals.numel() < n:
         raise ValueError(
@@ -490,35 +498,70 @@ def apply_average_delta(
     if not bool(torch.isfinite(delta).all()):
         raise ValueError("averaged values are not finite; round rejected")
     pos = 0
-    for t, i in zip(tensors, indices):
+    for t, i, lam_t in zip(tensors, indices, lams):
         k = int(i.numel())
-        if k:
-            _flat(t).index_add_(0, i.to(t.device), (lam * delta[pos : pos + k]).to(t.device, t.dtype))
+        if k and t is not None and lam_t != 0.0:
+            _flat(t).index_add_(0, i.to(t.device), (lam_t * delta[pos : pos + k]).to(t.device, t.dtype))
         pos += k
     return float(delta.norm())
 
 
-class StalenessCorrection:
-    """λ_t for the delta of a sparse average that arrives s local steps after its snapshot.
+def first_moments(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor | None], list[float]]:
+    """Each parameter's first-moment tensor and its per-step decay β.
 
-    Design (docs/ASYNCMESH.md has the reasoning and the measurement): between two averages of
-    the same slice, replica disagreement grows roughly linearly, over Δ = n_partitions · H local
-    steps. While a round runs (s steps), it keeps growing, so the disagreement at application
-    time is about (1 + s/Δ) times the one the round measured. λ_t = 1 + ŝ_t/Δ with ŝ_t an EMA of
-    the elapsed steps (robust to one slow round), clipped to [1, 2]. ``enabled=False`` → λ = 1.
+    Adam family: ``exp_avg`` with β1; SGD and Muon/NuMuon: ``momentum_buffer`` with the group's
+    momentum. None (decay 0) where the optimizer has no state for the parameter yet.
+    """
+    moments: list[torch.Tensor | None] = []
+    decays: list[float] = []
+    for p in params:
+        state = optimizer.state.get(p) or {}
+        m, beta = None, 0.0
+        if isinstance(state.get("exp_avg"), torch.Tensor):
+            m, beta = state["exp_avg"], float(_group_of(optimizer, p)["betas"][0])
+        elif isinstance(state.get("momentum_buffer"), torch.Tensor):
+            m, beta = state["momentum_buffer"], float(_group_of(optimizer, p).get("momentum", 0.0))
+        ok = m is not None and m.shape == p.shape
+        moments.append(m if ok else None)
+        decays.append(beta if ok else 0.0)
+    return moments, decays
+
+
+class StalenessCorrection:
+    """How the delta of a sparse average that arrives s local steps after its snapshot is scaled.
+
+    Design and measurement: docs/ASYNCMESH.md. With the correction on, the replicas average the
+    optimizer's first moments on the same slice as the parameters, and each delta is scaled by
+    how much of the snapshotted quantity still lives in the current one after s steps:
+
+    - parameters do not decay (a step adds to W), so their disagreement at snapshot time is
+      still all there: λ = 1 (a larger λ over-relaxes, a smaller one leaves disagreement);
+    - a first moment decays by β per step (``m ← β·m + …``), so only β^s of the snapshotted
+      moment, and of its disagreement, is left: λ_m = β^s.
+
+    s is the round's own elapsed step count (known exactly where the delta is applied); ŝ, an
+    EMA of it, is kept for metrics. ``enabled=False``: parameters only, λ = 1.
     """
 
-    def __init__(self, enabled: bool, n_partitions: int, avg_every: int, ema: float = 0.9):
+    def __init__(self, enabled: bool, ema: float = 0.9):
         self.enabled = enabled
-        self.horizon = max(1, n_partitions * avg_every)
         self.ema = ema
         self.s_hat: float | None = None
 
-    def lam(self, elapsed_steps: int) -> float:
+    def observe(self, elapsed_steps: int) -> None:
         if elapsed_steps < 0:
             raise ValueError("elapsed steps must be >= 0")
         s = float(elapsed_steps)
         self.s_hat = s if self.s_hat is None else self.ema * self.s_hat + (1 - self.ema) * s
+
+    @staticmethod
+    def param_lambda(elapsed_steps: int) -> float:
+        return 1.0
+
+    def moment_lambdas(self, elapsed_steps: int, decays: Sequence[float]) -> list[float]:
+        """λ_m = β^s per moment tensor (0 when the correction is off: moments untouched)."""
         if not self.enabled:
-            return 1.0
-        return min(2.0, 1.0 + self.s_hat / self.horizon)
+            return [0.0] * len(decays)
+        return [float(b) ** elapsed_steps for b in decays]

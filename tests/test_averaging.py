@@ -69,58 +69,84 @@ def test_prefix_has_no_dots():
 
 @pytest.mark.timeout(90)
 def test_two_replicas_move_toward_each_other_without_blocking(no_leftover_processes):
+    """Replica a is pushed by gradient +1, replica b by −1 (SGD, momentum β), from weights 3 apart.
+    Shadow copies train identically without averaging, so the expected result is exact:
+    at application (s steps after the snapshot at step t0), on the slice S
+      θ_a = θ_a^plain(now) + (θ_b^plain(t0) − θ_a^plain(t0))/2      (local progress kept)
+      m_a = (1 − β^s)/(1 − β)       (the moment as if averaged at t0: 0, then s gradients of +1)
+    and nothing outside S changes."""
     torch.manual_seed(0)
     shapes = [(40, 30), (50,), (7, 11)]
-    a = [torch.randn(s) for s in shapes]
-    b = [torch.randn(s) + 3.0 for s in shapes]
-    kw = dict(prefix="avgtest_stage1_avg", fraction=0.25, every=3, seed=11, correction=False,
+    lr, beta = 1e-3, 0.9
+    init_a = [torch.randn(s) for s in shapes]
+    replicas = {}
+    for name, sign, offset in (("a", 1.0, 0.0), ("b", -1.0, 3.0)):
+        params = [(x + offset).clone() for x in init_a]
+        shadow = [(x + offset).clone() for x in init_a]
+        replicas[name] = dict(
+            sign=sign, params=params, shadow=shadow, history=[],
+            opt=torch.optim.SGD(params, lr=lr, momentum=beta),
+            shadow_opt=torch.optim.SGD(shadow, lr=lr, momentum=beta),
+        )
+    kw = dict(prefix="avgtest_stage1_avg", fraction=0.25, every=3, seed=11, correction=True,
               timeout=15.0, min_matchmaking_time=1.0, request_timeout=0.5)
     dht1 = _dht()
     dht2 = _dht([str(m) for m in dht1.get_visible_maddrs()])
-    avg_a = ReplicaAverager(dht1, a, **kw)
-    avg_b = ReplicaAverager(dht2, b, **kw)
+    for name, dht in (("a", dht1), ("b", dht2)):
+        r = replicas[name]
+        r["avg"] = ReplicaAverager(dht, r["params"], optimizer=r["opt"], **kw)
     try:
-        avg_a.start()
-        avg_b.start()
-        durations, applied_at = [], {}
+        for r in replicas.values():
+            r["avg"].start()
+        durations, applied = [], {}
         step, deadline = 0, time.monotonic() + 45
-        before = None
-        while time.monotonic() < deadline and len(applied_at) < 2:
+        while time.monotonic() < deadline and len(applied) < 2:
             step += 1
-            for x in a:  # "training": each replica keeps making its own progress
-                x.add_(1e-3)
-            for x in b:
-                x.sub_(1e-3)
-            for name, avg, params in (("a", avg_a, a), ("b", avg_b, b)):
-                if step == 3:
-                    before = [torch.cat([p.view(-1) for p in a]), torch.cat([p.view(-1) for p in b])]
+            for name, r in replicas.items():  # one step of "training" on each replica
+                for opt, ps in ((r["opt"], r["params"]), (r["shadow_opt"], r["shadow"])):
+                    for p in ps:
+                        p.grad = torch.full_like(p, r["sign"])
+                    opt.step()
+                r["history"].append([p.clone() for p in r["shadow"]])  # θ^plain after `step` steps
                 t0 = time.perf_counter()
-                if avg.maybe_average(step) and name not in applied_at:
-                    applied_at[name] = step
+                if r["avg"].maybe_average(step) and name not in applied:
+                    applied[name] = (step, [p.clone() for p in r["params"]],
+                                     [r["opt"].state[p]["momentum_buffer"].clone() for p in r["params"]])
                 durations.append(time.perf_counter() - t0)
             time.sleep(0.02)  # the compute of one step
-        assert set(applied_at) == {"a", "b"}, (avg_a.stats, avg_b.stats)
-        # round 0 averaged partition 0, snapshotted at step 3 on both replicas
-        flat0 = avg_a.schedule.flat_indices(0)
-        fa, fb = torch.cat([p.view(-1) for p in a]), torch.cat([p.view(-1) for p in b])
-        gap_before = (before[0] - before[1])[flat0].abs().mean()
-        gap_after = (fa - fb)[flat0].abs().mean()
-        others = torch.ones(fa.numel(), dtype=torch.bool)
-        others[flat0] = False
-        gap_others = (fa - fb)[others].abs().mean()
-        assert gap_before > 2.0
-        # after the delta only the progress since the snapshot separates them (2e-3 per step)
-        assert gap_after < 2e-3 * step + 1e-3, (gap_before, gap_after)
-        assert gap_others > 2.0  # elements outside the slice were not averaged
-        for avg in (avg_a, avg_b):
-            assert avg.stats.last_group_size == 2
-            assert avg.stats.bytes_sent == 4 * avg.schedule.max_size  # 2·(g−1)/g of the buffer, g = 2
+        assert set(applied) == {"a", "b"}, {n: r["avg"].stats for n, r in replicas.items()}
+        flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+        for name, other in (("a", "b"), ("b", "a")):
+            r, o = replicas[name], replicas[other]
+            st = r["avg"].stats
+            now, params, moments = applied[name]
+            t0 = st.last_snapshot_step
+            s = now - t0
+            assert st.last_elapsed_steps == s and s >= 1 and st.last_group_size == 2
+            assert st.rounds_applied == 1
+            S = r["avg"].schedule.flat_indices(st.last_round)
+            mine_now, mine_t0 = flat(r["history"][now - 1]), flat(r["history"][t0 - 1])
+            theirs_t0 = flat(o["history"][t0 - 1])
+            expected = mine_now.clone()
+            expected[S] += (theirs_t0[S] - mine_t0[S]) / 2
+            torch.testing.assert_close(flat(params), expected, rtol=0, atol=1e-5)
+            m_expected = torch.full((S.numel(),), r["sign"] * (1 - beta**s) / (1 - beta))
+            torch.testing.assert_close(flat(moments)[S], m_expected, rtol=1e-5, atol=1e-5)
+            plain_m = r["sign"] * (1 - beta**now) / (1 - beta)
+            outside = torch.ones(expected.numel(), dtype=torch.bool)
+            outside[S] = False
+            torch.testing.assert_close(flat(moments)[outside], torch.full((int(outside.sum()),), plain_m))
+            assert st.last_moment_lambda == pytest.approx(beta**s)
+            assert st.bytes_sent == 2 * 4 * r["avg"].schedule.max_size  # g = 2: all of a 2-slice buffer
+        gap_before = (flat(replicas["a"]["history"][0]) - flat(replicas["b"]["history"][0])).abs()[S].mean()
+        gap_after = (flat(applied["a"][1]) - flat(applied["b"][1])).abs()[S].mean()
+        assert gap_before > 2.5 and gap_after < gap_before / 3  # moved toward each other
         # the round took seconds (matchmaking >= 1 s); no call of the training hook waited for it
-        assert avg_a.stats.last_round_seconds > 0.5
+        assert replicas["a"]["avg"].stats.last_round_seconds > 0.5
         assert max(durations) < 0.25, max(durations)
     finally:
-        avg_a.close()
-        avg_b.close()
+        for r in replicas.values():
+            r["avg"].close()
         dht2.shutdown()
         dht1.shutdown()
 
