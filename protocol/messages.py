@@ -336,9 +336,13 @@ def check_run(header: Mapping, run: str, manifest: str) -> None:
 
 def check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
     """``bad-frame`` if any floating-point tensor holds NaN or +-Inf (see module docstring)."""
+    # min/max propagate NaN and expose +-Inf, and one fused reduction is ~10x faster than
+    # isfinite(t).all(), which materialises a bool tensor as large as the payload
     for name, t in tensors.items():
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            raise _bad(f"tensor {name!r} has non-finite values (NaN or Inf)")
+        if t.is_floating_point() and t.numel():
+            lo, hi = torch.aminmax(t)
+            if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+                raise _bad(f"tensor {name!r} has non-finite values (NaN or Inf)")
 
 
 # ---------------------------------------------------------------------------------------------
