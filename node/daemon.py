@@ -124,6 +124,13 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         raise CliError(f"--manifest {cfg.manifest}: {e}") from None
     if cfg.stage != "auto" and int(cfg.stage) >= manifest.n_stages:
         raise CliError(f"--stage {cfg.stage}: the manifest has {manifest.n_stages} stages (0..{manifest.n_stages - 1})")
+    if cfg.attack:
+        from security.attacks import AttackNotAllowed, check_attack_allowed
+
+        try:
+            check_attack_allowed(cfg.attack, manifest.sentinel.allow_attacks, cfg.allow_attacks)
+        except (AttackNotAllowed, ValueError) as e:
+            raise CliError(str(e)) from None
     if cfg.identity:
         check_identity(cfg.identity)  # CliError: missing, world-readable, not a key
     for host, port in node_config.tcp_ports(cfg.host_maddrs):
@@ -281,7 +288,9 @@ class Node:
             forward_deadline=max(10.0, self.cfg.request_timeout * 2),
             use_amp=self.device.type == "cuda",
         )
-        self.averager = self._averager(stage) if self.cfg.averaging else None
+        self.averager = self._averager(stage, optimizer) if self.cfg.averaging else None
+        if self.averager is not None:
+            self.metrics.attach_averaging(lambda: self.averager.stats.as_dict())
         self.runtime = StageRuntime(
             m, index, stage, optimizer, transport=None, router=self.router, metrics=self.metrics,
             verifier=make_verifier(m, index), peer_id=self.peer_id, device=self.device, options=options,
@@ -289,12 +298,24 @@ class Node:
             checkpointer=self._save_async if self.cfg.checkpoint_dir else None,
             rng=new_microbatch_rng(self.cfg.seed),
         )
+        if self.cfg.attack:
+            from security.attacks import make_attack
+
+            self.runtime.attack = make_attack(self.cfg.attack, seed=self.cfg.seed)
+            log.warning("TESTING: this node poisons what it sends with the %r attack", self.cfg.attack)
         if self.checkpoint is not None:
             step, tensors, meta = self.checkpoint
             self.runtime.restore(tensors, meta)
             self.metrics.checkpoint_step.set(step)
             _announce_line(f"resumed stage {index} from checkpoint step {step} in {self.cfg.checkpoint_dir}")
         del self.checkpoint
+        if self.cfg.json_log:
+            try:
+                self.runtime.step_log = open(self.cfg.json_log, "a", encoding="utf-8")
+            except OSError as e:
+                raise CliError(f"--json-log {self.cfg.json_log}: cannot open it ({e.strerror})") from None
+        if self.server is not None:
+            self.server.status_fn = lambda: self.runtime.status_cache
         torch.manual_seed(self.cfg.seed or int.from_bytes(os.urandom(4), "little"))
 
     def _batches(self):
@@ -311,13 +332,13 @@ class Node:
         return Batches(corpus.train, self.m.data.batch_size, self.m.model.seq_len, seed=self.m.run.seed,
                        shard=shard, num_shards=self.cfg.num_shards)
 
-    def _averager(self, stage):
+    def _averager(self, stage, optimizer):
         from node.averaging import ReplicaAverager, averaging_prefix
 
         a = self.m.asyncmesh
         try:
             avg = ReplicaAverager(
-                self.dht, [p for _, p in stage.named_parameters()],
+                self.dht, [p for _, p in stage.named_parameters()], optimizer=optimizer,
                 prefix=averaging_prefix(self.m.run.id, self.index), fraction=a.avg_fraction, every=a.avg_every,
                 seed=self.m.run.seed + self.index, correction=a.avg_correction, timeout=a.avg_timeout_s,
                 peers_fn=lambda: self.router.count_by_stage(self.m.n_stages)[self.index] + 1,
@@ -493,6 +514,8 @@ class Node:
                 log.error("final checkpoint failed: %r", e)
         await rt.stop()
         self._ckpt_pool.shutdown(wait=True)
+        if rt.step_log is not None:
+            rt.step_log.close()
         if self.averager is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.averager.close)
         self._set_server_state("offline")
@@ -505,10 +528,13 @@ class Node:
 
 
 def make_verifier(manifest, index: int):
-    """The verifier every accepted tensor passes (``security.verifier``)."""
-    from security.verifier import build_verifier
+    """The verifier every accepted tensor passes: SENTINEL when the manifest enables it, else the
+    basic dtype/shape/finite checks (``security.verifier``)."""
+    from node.runtime import max_batch_for
+    from security.verifier import make_verifier as build
 
-    return build_verifier(manifest, index)
+    return build(manifest.sentinel, k=manifest.k, seq_len=manifest.model.seq_len,
+                 max_batch=max_batch_for(manifest), seed=manifest.run.seed + index)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,5 @@
-"""Prometheus metrics and the node's tiny HTTP server: ``/metrics``, ``/healthz``, ``/readyz``.
+"""Prometheus metrics and the node's tiny HTTP server: ``/metrics``, ``/healthz``, ``/readyz``,
+and ``/status`` (one JSON object: stage, state, version, loss, tokens/s, microbatch round trips).
 
 Every metric lives in the node's own ``CollectorRegistry`` (never the process-global one), so
 several nodes can run in one test process and nothing third-party leaks into the scrape. Names
@@ -18,7 +19,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -75,6 +76,8 @@ class NodeMetrics:
                               ["protocol", "result"], registry=r)
         self._wire_source = None
         r.register(_WireBytes(self))
+        self._averaging_source = None
+        r.register(_Averaging(self))
         self.staleness = Histogram("swarm_node_staleness_steps",
                                    "Own optimizer steps between a microbatch's forward and its gradient",
                                    buckets=_STALENESS_BUCKETS, registry=r)
@@ -95,6 +98,11 @@ class NodeMetrics:
                                      "Unix time of the newest checkpoint written", registry=r)
         self.state_sync_bytes = Counter("swarm_node_state_sync_bytes", "Stage state bytes sent/received by joiners",
                                         ["direction"], registry=r)
+        # per-peer series only on request (--peer-labels): their number grows with the swarm
+        self.peer_requests = (Counter("swarm_node_peer_requests", "Outgoing requests per peer, protocol and result",
+                                      ["peer", "protocol", "result"], registry=r) if peer_labels else None)
+        self.peer_rtt = (Gauge("swarm_node_peer_ack_seconds", "EMA of the time a peer takes to acknowledge",
+                               ["peer", "stage"], registry=r) if peer_labels else None)
         self.uptime_start = Gauge("swarm_node_start_time_seconds", "Unix time the node started", registry=r)
         self.uptime_start.set(time.time())
         self.set_state("starting")
@@ -105,6 +113,12 @@ class NodeMetrics:
         self.info.clear()
         self.info.labels(run=run, stage=str(stage), role=role, version=version).set(1)
 
+    def request(self, protocol: str, result: str, peer: str | None = None) -> None:
+        """Count an outgoing request (and per peer with --peer-labels)."""
+        self.requests.labels(protocol=protocol, result=result).inc()
+        if self.peer_requests is not None and peer:
+            self.peer_requests.labels(peer=peer, protocol=protocol, result=result).inc()
+
     def set_state(self, state: str) -> None:
         for s in STATES:
             self.state.labels(state=s).set(1.0 if s == state else 0.0)
@@ -113,6 +127,10 @@ class NodeMetrics:
         """``source()`` -> ``{(protocol, direction): bytes}``, read at every scrape (the transport's
         own counters, so a scrape is never behind the traffic)."""
         self._wire_source = source
+
+    def attach_averaging(self, source) -> None:
+        """``source()`` -> ``node.averaging.AveragingStats.as_dict()``, read at every scrape."""
+        self._averaging_source = source
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -152,6 +170,43 @@ class _WireBytes:
         yield fam
 
 
+class _Averaging:
+    """Collector for the replica averager (AsyncMesh data axis); empty when averaging is off."""
+
+    OUTCOMES = ("started", "applied", "failed", "mismatched")
+    SKIPS = ("skipped_alone", "skipped_busy")
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        source = self.metrics._averaging_source
+        if source is None:
+            return
+        try:
+            st = dict(source())
+        except Exception:  # noqa: BLE001 - a scrape must not fail because averaging did
+            return
+        rounds = CounterMetricFamily("swarm_node_averaging_rounds", "Replica averaging rounds by outcome",
+                                     labels=["outcome"])
+        for o in self.OUTCOMES:
+            rounds.add_metric([o], float(st.get(f"rounds_{o}", 0)))
+        for o in self.SKIPS:
+            rounds.add_metric([o], float(st.get(o, 0)))
+        yield rounds
+        b = CounterMetricFamily("swarm_node_averaging_bytes", "Replica averaging payload bytes", labels=["direction"])
+        b.add_metric(["out"], float(st.get("bytes_sent", 0)))
+        b.add_metric(["in"], float(st.get("bytes_received", 0)))
+        yield b
+        yield GaugeMetricFamily("swarm_node_averaging_group_size", "Replicas in the last averaging group",
+                                value=float(st.get("last_group_size", 0)))
+        yield GaugeMetricFamily("swarm_node_averaging_round_seconds", "Duration of the last averaging round",
+                                value=float(st.get("last_round_seconds", 0.0)))
+
+
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` on a thread; ``port=0`` picks a free port."""
 
@@ -163,6 +218,7 @@ class MetricsServer:
         self.state = "starting"
         self.heartbeat = time.monotonic()
         self.details: dict = {}
+        self.status_fn = None  # () -> dict for /status (the runtime's view: stage, version, loss, rtt, ...)
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -176,11 +232,18 @@ class MetricsServer:
                     body = json.dumps({"ok": ok, "loop_heartbeat_age_s": round(age, 3),
                                        "state": owner.state}).encode()
                     status, ctype = (200 if ok else 503), "application/json"
+                elif path == "/status":
+                    try:
+                        info = owner.status_fn() if owner.status_fn is not None else {}
+                    except Exception as e:  # noqa: BLE001 - a status page must not take the server down
+                        info = {"error": repr(e)}
+                    body = json.dumps({"state": owner.state, **info}).encode()
+                    status, ctype = 200, "application/json"
                 elif path == "/readyz":
                     body = json.dumps({"ready": owner.ready, "state": owner.state, **owner.details}).encode()
                     status, ctype = (200 if owner.ready else 503), "application/json"
                 else:
-                    body, status, ctype = b"not found: try /metrics, /healthz, /readyz\n", 404, "text/plain"
+                    body, status, ctype = b"not found: try /metrics, /healthz, /readyz, /status\n", 404, "text/plain"
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))

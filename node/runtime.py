@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import json
 import logging
 import math
 import random
@@ -55,6 +57,7 @@ from protocol.messages import (
     validate_fwd,
     validate_health_request,
 )
+from security.bans import BanList
 from stages.asyncmesh import LookaheadForward, StageWeights, StepPolicy
 from stages.manifest import Manifest, manifest_hash
 from stages.model import lm_loss
@@ -176,7 +179,7 @@ class RuntimeOptions:
     probe_after: float = 4.0  # seconds a context may wait before its next hop is health-probed
     forward_deadline: float = 30.0  # seconds to find a replica that accepts a fwd
     use_amp: bool = False
-    ban_flags_seconds: float = 600.0  # ban for verifier flags
+    ban_flags_seconds: float = 60.0  # first ban for verifier flags (doubles per repeat ban)
 
 
 class StageRuntime:
@@ -231,8 +234,13 @@ class StageRuntime:
         self._tasks: set[asyncio.Task] = set()
         self._probing: set[str] = set()
         self._last_probe: dict[str, float] = {}
-        self._flags: dict[str, int] = collections.defaultdict(int)
+        self.banlist = BanList(flags_to_ban=manifest.sentinel.flags_to_ban, memory=max(20, manifest.sentinel.flags_to_ban),
+                               base_s=self.opt.ban_flags_seconds)
         self._tokens_window: collections.deque = collections.deque()
+        self._tokens_total = 0
+        self.step_log = None  # a text file: one JSON object per optimizer step (``--json-log``)
+        self.status_cache: dict = {}
+        self.attack = None  # security.attacks.Attack applied to what we send (verifier tests only)
         self._window_lock = threading.Lock()
         self._loss_ema: float | None = None
         self.last_loss: float | None = None
@@ -244,8 +252,7 @@ class StageRuntime:
         self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
         self._started = time.monotonic()
         self.data_step = 0
-        B = manifest.data.batch_size
-        self.max_batch = max(4 * B, 64)
+        self.max_batch = max_batch_for(manifest)
         k, L = manifest.k, manifest.model.seq_len
         self.expect_fwd = (Expect.fwd(self.run_id, self.mhash, index, k, self.max_batch, L)
                            if index > 0 else None)
@@ -318,23 +325,31 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ verification
 
-    async def _verify(self, peer: str, direction: str, tensor: torch.Tensor, version: int):
+    async def _verify(self, peer: str, direction: str, tensor: torch.Tensor, version: int,
+                      ids: torch.Tensor | None, mb: int):
+        """Run the verifier off the event loop; count the verdict; ban a sender whose recent
+        tensors keep being flagged (``security.bans.BanList``: flags_to_ban of the last 20)."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        verdict = await loop.run_in_executor(self._verify_pool, self.verifier.verify, peer, direction, tensor,
-                                             version)
+        call = functools.partial(self.verifier.verify, peer, direction, tensor, step=version, ids=ids, mb=mb)
+        verdict = await loop.run_in_executor(self._verify_pool, call)
         self.metrics.verify_seconds.observe(time.perf_counter() - t0)
         label = "accept" if verdict.accept else "reject"
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
-        if not verdict.accept:
-            self._flags[peer] += 1
-            log.warning("verifier rejected %s from %s: %s (score %s)", direction, peer[-8:], verdict.reason,
-                        getattr(verdict, "score", None))
-            if self._flags[peer] >= self.m.sentinel.flags_to_ban and not self.router.is_banned(peer):
-                self.router.ban(peer, self.opt.ban_flags_seconds, "verifier")
-                self.metrics.bans.labels(cause="verifier").inc()
-                log.warning("banned %s after %d verifier flags", peer, self._flags[peer])
+        now = time.monotonic()
+        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or "")):
+            until = self.banlist.banned(now).get(peer, now)
+            self.router.ban(peer, until - now, "verifier")
+            self.metrics.bans.labels(cause="verifier").inc()
+            log.warning("banned %s for %.0f s: its %s tensors keep failing verification (%s)", peer, until - now,
+                        direction, verdict.reason)
+        elif not verdict.accept:
+            log.warning("verifier rejected %s from %s: %s (score %.2f)", direction, peer[-8:], verdict.reason,
+                        float(getattr(verdict, "score", 0.0) or 0.0))
         return verdict
+
+    def is_banned_sender(self, peer: str) -> bool:
+        return self.banlist.is_banned(peer, time.monotonic())
 
     # ------------------------------------------------------------------ inbound fwd
 
@@ -350,7 +365,7 @@ class StageRuntime:
         except ProtocolError as e:
             self.metrics.served.labels(protocol="fwd", result=e.reason.value).inc()
             raise
-        if self.router.is_banned(peer) and self.router.peers[peer].ban_cause == "verifier":
+        if self.is_banned_sender(peer):
             self.metrics.served.labels(protocol="fwd", result="banned").inc()
             return make_reject(Reason.BANNED, "this peer is banned here", mb=fwd.mb)
         if self.state != "online":
@@ -364,7 +379,7 @@ class StageRuntime:
         self.metrics.version_gap.observe(self.version - fwd.version)
         self._reserved += 1
         try:
-            verdict = await self._verify(peer, "act", fwd.c, fwd.version)
+            verdict = await self._verify(peer, "act", fwd.c, fwd.version, fwd.ids, fwd.mb)
         finally:
             self._reserved -= 1
         if not verdict.accept:
@@ -431,6 +446,8 @@ class StageRuntime:
 
     async def _send_fwd(self, ctx: Context, code: torch.Tensor) -> bool:
         """Send ``code`` to a replica of the next stage: retry elsewhere on busy/failure, drop at the deadline."""
+        if self.attack is not None:  # testing the verifier only (--attack, refused unless allowed)
+            code = self.attack(code, self.version).contiguous()
         frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version, ctx.route, code, ctx.ids_wire)
         deadline = time.monotonic() + self.opt.forward_deadline
         tried: set[str] = set()
@@ -450,12 +467,12 @@ class StageRuntime:
             except PeerBusy:
                 self.router.on_done(peer)
                 self.router.on_busy(peer)
-                self.metrics.requests.labels(protocol="fwd", result="busy").inc()
+                self.metrics.request("fwd", "busy", peer)
                 tried.add(peer)
                 continue
             except PeerRejected as e:
                 self.router.on_done(peer)
-                self.metrics.requests.labels(protocol="fwd", result=e.reason).inc()
+                self.metrics.request("fwd", e.reason, peer)
                 if e.reason == Reason.REJECTED_BY_VERIFIER.value:
                     # our own output was refused: do not push it elsewhere, tell upstream to skip it
                     self._drop(ctx.mb, "rejected-downstream", skip=Reason.REJECTED_BY_VERIFIER)
@@ -470,14 +487,14 @@ class StageRuntime:
                 # probe decide whether to ban this one and drop what we sent it
                 self.router.on_done(peer)
                 self.router.on_busy(peer)
-                self.metrics.requests.labels(protocol="fwd", result="failed").inc()
+                self.metrics.request("fwd", "failed", peer)
                 log.info("fwd mb %x to %s failed: %r; probing it", ctx.mb, peer[-8:], e)
                 self.suspect(peer)
                 tried.add(peer)
                 continue
             rtt = time.monotonic() - t0
             self.metrics.request_seconds.labels(protocol="fwd").observe(rtt)
-            self.metrics.requests.labels(protocol="fwd", result="ack").inc()
+            self.metrics.request("fwd", "ack", peer)
             self.router.on_ack(peer, rtt, reply.header.get("queue"))
             ctx.sent_at = time.monotonic()
             if ctx.mb not in self.contexts:  # dropped while the request was out (e.g. peer banned)
@@ -489,7 +506,7 @@ class StageRuntime:
 
     def _peer_failed(self, peer: str, protocol: str, err: BaseException) -> None:
         seconds = self.router.on_failure(peer, "unreachable")
-        self.metrics.requests.labels(protocol=protocol, result="failed").inc()
+        self.metrics.request(protocol, "failed", peer)
         self.metrics.bans.labels(cause="unreachable").inc()
         log.warning("%s to %s failed (%s); banned for %.0f s", protocol, peer[-8:], type(err).__name__, seconds)
         for mb, ctx in list(self.contexts.items()):
@@ -522,7 +539,11 @@ class StageRuntime:
             self.metrics.served.labels(protocol="bwd", result="skip").inc()
             self._drop(bwd.mb, f"skip-{bwd.skip}", skip=bwd.skip, detail=bwd.detail)
             return make_ack(bwd.mb, self.index, self.version)
-        verdict = await self._verify(peer, "grad", bwd.grad, bwd.version)
+        if self.is_banned_sender(peer):
+            self.metrics.served.labels(protocol="bwd", result="banned").inc()
+            self._drop(bwd.mb, "sender-banned", skip=Reason.BANNED)
+            return make_reject(Reason.BANNED, "this peer is banned here", mb=bwd.mb)
+        verdict = await self._verify(peer, "grad", bwd.grad, bwd.version, ctx.ids_wire, bwd.mb)
         if not verdict.accept:
             self.metrics.served.labels(protocol="bwd", result="rejected-by-verifier").inc()
             self._drop(bwd.mb, "grad-rejected", skip=Reason.REJECTED_BY_VERIFIER)
@@ -581,6 +602,7 @@ class StageRuntime:
         self._accum += 1
         self.metrics.staleness.observe(delay)
         self.metrics.tokens.inc(tokens)
+        self._tokens_total += tokens
         with self._window_lock:
             self._tokens_window.append((time.monotonic(), tokens))
         if loss is not None:
@@ -612,6 +634,11 @@ class StageRuntime:
         v = self.la.version
         self.metrics.steps.inc()
         self.metrics.version.set(v)
+        if self.step_log is not None:
+            rec = {"step": v, "time": time.time(), "stage": self.index, "tokens": self._tokens_total,
+                   "loss": self.last_loss if self.is_tail else None}
+            self.step_log.write(json.dumps(rec) + "\n")
+            self.step_log.flush()
         if self.is_tail and self.last_loss is not None and (v == 1 or v % max(1, self.m.train.log_every) == 0):
             log.info("step %d loss %.4f (ema %.4f) %.0f tokens/s", v, self.last_loss, self._loss_ema,
                      self.tokens_per_s())
@@ -680,6 +707,8 @@ class StageRuntime:
         if self.index == 0 or len(route) < self.index:
             return False
         peer = route[self.index - 1]
+        if grad is not None and self.attack is not None:
+            grad = self.attack(grad, self.version).contiguous()
         frames = make_bwd(self.run_id, self.mhash, mb, self.index, self.version, route, grad,
                           skip=Reason(skip) if skip is not None else None, detail=detail)
         for attempt in range(6):
@@ -687,15 +716,15 @@ class StageRuntime:
             try:
                 await self.transport.request(peer, BWD, frames, timeout=self.opt.request_timeout)
             except PeerBusy:
-                self.metrics.requests.labels(protocol="bwd", result="busy").inc()
+                self.metrics.request("bwd", "busy", peer)
                 await asyncio.sleep(0.05 * 2**attempt)
                 continue
             except PeerRejected as e:
-                self.metrics.requests.labels(protocol="bwd", result=e.reason).inc()
+                self.metrics.request("bwd", e.reason, peer)
                 log.debug("bwd mb %x rejected by %s: %s", mb, peer[-8:], e)
                 return False
             except (PeerUnreachable, ConnectionError, OSError) as e:
-                self.metrics.requests.labels(protocol="bwd", result="failed").inc()
+                self.metrics.request("bwd", "failed", peer)
                 if attempt < 2:  # a broken stream: the route is fixed, so retry the same peer
                     log.debug("bwd mb %x to %s failed: %r; retrying", mb, peer[-8:], e)
                     await asyncio.sleep(0.05 * 2**attempt)
@@ -703,11 +732,11 @@ class StageRuntime:
                 log.info("bwd mb %x to %s failed: %r", mb, peer[-8:], e)
                 return False
             except asyncio.TimeoutError:
-                self.metrics.requests.labels(protocol="bwd", result="timeout").inc()
+                self.metrics.request("bwd", "timeout", peer)
                 log.info("bwd mb %x to %s timed out", mb, peer[-8:])
                 return False
             self.metrics.request_seconds.labels(protocol="bwd").observe(time.monotonic() - t0)
-            self.metrics.requests.labels(protocol="bwd", result="skip" if grad is None else "ack").inc()
+            self.metrics.request("bwd", "skip" if grad is None else "ack", peer)
             return True
         return False
 
@@ -780,12 +809,20 @@ class StageRuntime:
     # ------------------------------------------------------------------ health
 
     def status(self) -> dict:
-        return {
+        """The node at a glance (health protocol reply and the metrics server's ``/status``)."""
+        out = {
             "peer": self.peer_id, "run": self.run_id, "manifest": self.mhash, "stage": self.index,
             "state": self.state, "version": self.version, "queue": self.worker.depth("fwd") if self.worker else 0,
             "inflight": len(self.contexts), "uptime_s": round(time.monotonic() - self._started, 1),
             "loss": self.last_loss, "tokens_per_s": round(self.tokens_per_s(), 2),
+            "banned": len(self.router.banned()),
         }
+        rtts = sorted(self.rtts)
+        if rtts:
+            out["mb_rtt_p50_ms"] = round(1000 * rtts[len(rtts) // 2], 2)
+            out["mb_rtt_p99_ms"] = round(1000 * rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))], 2)
+            out["mb_rtt_samples"] = len(rtts)
+        return out
 
     async def _on_health(self, frame, peer: str):
         validate_health_request(frame)
@@ -852,7 +889,12 @@ class StageRuntime:
                 self.suspect(peer)
         self.metrics.tokens_per_s.set(self.tokens_per_s())
         self.metrics.banned_peers.set(len(self.router.banned()))
+        if self.metrics.peer_rtt is not None:
+            for p in list(self.router.peers.values()):
+                if p.rtt_ema is not None:
+                    self.metrics.peer_rtt.labels(peer=p.peer_id, stage=str(p.stage)).set(p.rtt_ema)
         self._update_queue_gauges()
+        self.status_cache = self.status()  # read by the metrics server's thread (/status)
 
     async def maintain(self, beat: Callable[[], None] | None = None, period: float = 0.5) -> None:
         while not self._stopping:
@@ -860,6 +902,12 @@ class StageRuntime:
             if beat is not None:
                 beat()
             await asyncio.sleep(period)
+
+
+def max_batch_for(manifest: Manifest) -> int:
+    """Largest microbatch (B) a stage accepts: batch size is a local choice of each head, so allow
+    some room above our own."""
+    return max(4 * manifest.data.batch_size, 64)
 
 
 def new_microbatch_rng(seed: int) -> random.Random:

@@ -74,7 +74,6 @@ def test_boolean_flags_override_env_both_ways():
         (["--drain-timeout", "-1"], {}, "--drain-timeout: must be > 0"),
         ([], {"SWARM_NODE_LOCAL": "maybe"}, "SWARM_NODE_LOCAL: expected true/false"),
         (["--initial-peers", "1.2.3.4:31337"], {}, "must start with '/'"),
-        (["--attack", "negate"], {}, "--allow-attacks"),
         (["--data-shard", "16"], {}, "--data-shard: 16 is not below --num-shards 16"),
     ],
 )
@@ -115,3 +114,14 @@ def test_run_subcommand_exposes_every_field():
     help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     for name in NodeConfig.__dataclass_fields__:
         assert "--" + name.replace("_", "-") in help_text
+
+
+def test_every_setting_is_documented():
+    from pathlib import Path
+
+    from node.config import env_name
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "NODE.md").read_text()
+    for name in NodeConfig.__dataclass_fields__:
+        assert f"`--{name.replace('_', '-')}`" in doc, name
+        assert f"`{env_name(name)}`" in doc, name

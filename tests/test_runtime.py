@@ -122,8 +122,9 @@ class RecordingVerifier:
     seen: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def verify(self, sender, direction, tensor, step=None):
+    def verify(self, sender, direction, tensor, *, step=None, ids=None, mb=None):
         assert threading.current_thread() is not threading.main_thread()  # off the event loop
+        assert ids is not None and tuple(ids.shape) == tuple(tensor.shape[:2]) and isinstance(mb, int)
         with self.lock:
             self.seen.append((sender, direction, tuple(tensor.shape)))
         if sender in self.reject:
