@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from node.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable
-from protocol.frames import ProtocolError, Reason
+from protocol.frames import Limits, ProtocolError, Reason
 from protocol.messages import (
     Expect,
     make_ack,
@@ -278,12 +278,17 @@ class StageRuntime:
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self.worker = ComputeWorker(loop, name=f"compute-stage{self.index}")
-        await self.transport.serve(FWD, self._on_fwd)
-        await self.transport.serve(BWD, self._on_bwd)
-        await self.transport.serve(HEALTH, self._on_health)
+        # per-protocol limits: a frame bigger than the largest valid one is refused before allocation
+        def body_limit(expect) -> Limits:
+            return Limits(max_body_bytes=expect.max_body_bytes() if expect is not None else 0, max_tensors=4)
+
+        small = Limits(max_body_bytes=0, max_tensors=0)
+        await self.transport.serve(FWD, self._on_fwd, limits=body_limit(self.expect_fwd))
+        await self.transport.serve(BWD, self._on_bwd, limits=body_limit(self.expect_bwd))
+        await self.transport.serve(HEALTH, self._on_health, limits=small)
         from node.state_sync import serve_state
 
-        await self.transport.serve_stream(STATE, lambda frame, peer: serve_state(self, frame, peer))
+        await self.transport.serve_stream(STATE, lambda frame, peer: serve_state(self, frame, peer), limits=small)
         self.metrics.version.set(self.version)
 
     def spawn(self, coro) -> asyncio.Task:

@@ -43,9 +43,9 @@ def one_torch_thread():
 # ---------------------------------------------------------------- test doubles
 
 
-def _frame_of(buffers):
+def _frame_of(buffers, limits=None):
     data = b"".join(bytes(memoryview(b)) for b in buffers)
-    frames = FrameDecoder().feed(data)
+    frames = FrameDecoder(limits).feed(data)
     assert len(frames) == 1
     return frames[0]
 
@@ -66,16 +66,18 @@ class MemTransport:
 
     def __init__(self, net: Net, peer_id: str):
         self.net, self.peer_id = net, peer_id
-        self.handlers, self.stream_handlers = {}, {}
+        self.handlers, self.stream_handlers, self.limits = {}, {}, {}
         self.down = False  # an unreachable peer (kill -9)
         self.sent: list[tuple[str, str, dict]] = []
         net.peers[peer_id] = self
 
-    async def serve(self, protocol_id, handler):
+    async def serve(self, protocol_id, handler, *, limits=None):
         self.handlers[protocol_id] = handler
+        self.limits[protocol_id] = limits
 
-    async def serve_stream(self, protocol_id, handler):
+    async def serve_stream(self, protocol_id, handler, *, limits=None):
         self.stream_handlers[protocol_id] = handler
+        self.limits[protocol_id] = limits
 
     def _target(self, peer):
         t = self.net.peers.get(peer)
@@ -85,7 +87,10 @@ class MemTransport:
 
     async def request(self, peer, protocol_id, header, tensors=(), *, timeout):
         target = self._target(peer)
-        frame = _frame_of(_buffers(header, tensors))
+        try:
+            frame = _frame_of(_buffers(header, tensors), target.limits.get(protocol_id))
+        except ProtocolError as e:
+            raise PeerRejected(e.reason.value, e.detail) from None
         self.sent.append((peer, protocol_id, dict(frame.header)))
         try:
             reply = target.handlers[protocol_id](frame, self.peer_id)
@@ -465,12 +470,17 @@ async def test_handlers_refuse_what_a_stage_cannot_take(test_manifest):
     try:
         with pytest.raises(PeerRejected) as e:
             await peer.request("head", FWD, make_fwd(m.run.id, head.mhash, 1, 0, 0, ["x"], c, ids), timeout=2)
-        assert e.value.reason == "wrong-stage"
+        # the head takes no fwd at all: its fwd limit admits no body, so it refuses before reading one
+        assert e.value.reason == "too-large"
         from protocol.messages import make_bwd
 
         with pytest.raises(PeerRejected) as e:
             await peer.request("tail", BWD, make_bwd(m.run.id, tail.mhash, 1, 3, 0, ["a", "b", "tail", "x"], c),
                                timeout=2)
+        assert e.value.reason == "too-large"  # likewise the tail for bwd
+        with pytest.raises(PeerRejected) as e:  # a frame without a body gets the real reason
+            await peer.request("tail", BWD, make_bwd(m.run.id, tail.mhash, 1, 3, 0, ["a", "b", "tail", "x"], None,
+                                                     skip="busy"), timeout=2)
         assert e.value.reason == "wrong-stage"
         with pytest.raises(PeerBusy):  # joining: not serving yet
             await peer.request("joining", FWD, make_fwd(m.run.id, head.mhash, 1, 0, 0, ["x"], c, ids), timeout=2)
@@ -478,6 +488,12 @@ async def test_handlers_refuse_what_a_stage_cannot_take(test_manifest):
         with pytest.raises(PeerRejected) as e:
             await peer.request("head", BWD, make_bwd(m.run.id, head.mhash, 77, 1, 0, ["head", "x"], c), timeout=2)
         assert e.value.reason == "stale"
+        huge = torch.randn(tail.max_batch * 2, m.model.seq_len, m.k)
+        big_ids = torch.zeros(huge.shape[:2], dtype=torch.int32)
+        with pytest.raises(PeerRejected) as e:  # refused from the header, before the body is allocated
+            await peer.request("tail", FWD, make_fwd(m.run.id, tail.mhash, 6, 1, 0, ["h", "x"], huge, big_ids),
+                               timeout=2)
+        assert e.value.reason == "too-large"
         bad = c.clone()
         bad[0, 0, 0] = float("nan")
         with pytest.raises(PeerRejected) as e:
