@@ -249,8 +249,8 @@ class LocalSwarm:
             self._reap_group(n)
             if n.proc.poll() is None:
                 n.proc.wait(5)
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._own_dir and all(c == 0 for c in codes.values()):
+            shutil.rmtree(self.workdir, ignore_errors=True)  # keep the logs of anything that failed
         return codes
 
     def __enter__(self) -> LocalSwarm:
@@ -301,14 +301,12 @@ def main(args) -> int:
         raise CliError(f"--replicas must be >= 1, got {args.replicas}")
     steps = args.steps or m.train.steps
     swarm = LocalSwarm(args.manifest, workdir=args.workdir or None, torch_threads=args.torch_threads)
-    interrupted = False
 
-    def on_sigint(signum, frame):
-        nonlocal interrupted
-        interrupted = True
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigint)
+    previous = signal.signal(signal.SIGTERM, on_term)
+    code = 0
     try:
         print(f"swarm-node demo: run {m.run.id}, {m.n_stages} stages, layout {list(map(list, m.stages.layout))}, "
               f"k={m.k}; logs in {swarm.workdir}", flush=True)
@@ -321,39 +319,46 @@ def main(args) -> int:
                 nodes.append(swarm.start_node(s, name=f"stage{s}" + (f"-{r}" if reps > 1 else "")))
         swarm.wait_ready(timeout=300)
         for n in nodes:
-            print(f"  {n.name:<10} metrics {n.url}/metrics", flush=True)
-        head, tail = nodes[0], nodes[-1]
-        t0, shown = time.monotonic(), None
-        live = sys.stdout.isatty()
-        while not interrupted:
-            mt = swarm.metrics(tail)
-            step = int(metric_sum(mt, "swarm_node_steps_total"))
-            loss = mt.get("swarm_node_loss_ema")
-            tps = mt.get("swarm_node_tokens_per_second", 0.0)
-            tokens = swarm.value(head, "swarm_node_tokens_total")
-            wire = sum(metric_sum(swarm.metrics(n), "swarm_node_wire_bytes_total", direction="out", protocol=p)
-                       for n in nodes for p in ("fwd", "bwd"))
-            bpt = wire / tokens if tokens else 0.0
-            line = (f"step {step:5d}/{steps}  loss {loss if loss is not None else float('nan'):6.3f}  "
-                    f"{tps:8.0f} tok/s  {bpt:6.1f} wire B/token  {time.monotonic() - t0:6.0f} s")
-            if live:
-                print("\r" + line, end="", flush=True)
-            elif step != shown and (shown is None or step - shown >= 10 or step >= steps):
-                print(line, flush=True)
-                shown = step
-            if step >= steps:
-                break
-            if not swarm.alive():
-                print("\nswarm-node demo: every node exited", file=sys.stderr)
-                break
-            time.sleep(1.0)
-        if live:
-            print()
+            print(f"  {n.name:<10} metrics {n.url}/metrics  status {n.url}/status", flush=True)
+        code = _progress(swarm, nodes, steps)
+    except KeyboardInterrupt:
+        print("\nswarm-node demo: interrupted", flush=True)
+    finally:
         print("swarm-node demo: stopping the swarm (SIGTERM: drain, checkpoint, leave)", flush=True)
         codes = swarm.close()
-        bad = {k: v for k, v in codes.items() if v not in (0, None)}
-        print(f"swarm-node demo: done ({json.dumps(codes)})", flush=True)
-        return 1 if bad else 0
-    finally:
-        swarm.close() if swarm.alive() or (swarm.bootstrap and swarm.bootstrap.proc.poll() is None) else None
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous)
+    bad = {k: v for k, v in codes.items() if v != 0}
+    print(f"swarm-node demo: done; exit codes {json.dumps(codes)}", flush=True)
+    return 1 if bad or code else 0
+
+
+def _progress(swarm: LocalSwarm, nodes: list[NodeProc], steps: int) -> int:
+    """One progress line until the tail reaches ``steps`` (Ctrl-C stops it earlier)."""
+    head, tail = nodes[0], nodes[-1]
+    t0, shown = time.monotonic(), None
+    live = sys.stdout.isatty()
+    while True:
+        mt = swarm.metrics(tail)
+        step = int(metric_sum(mt, "swarm_node_steps_total"))
+        loss = f"{mt['swarm_node_loss_ema']:6.3f}" if step and "swarm_node_loss_ema" in mt else "     -"
+        tps = mt.get("swarm_node_tokens_per_second", 0.0)
+        tokens = swarm.value(head, "swarm_node_tokens_total")
+        wire = sum(metric_sum(swarm.metrics(n), "swarm_node_wire_bytes_total", direction="out", protocol=p)
+                   for n in nodes for p in ("fwd", "bwd"))
+        bpt = wire / tokens if tokens else 0.0
+        line = (f"step {min(step, steps):5d}/{steps}  loss {loss}  {tps:8.0f} tok/s  "
+                f"{bpt:6.1f} wire B/token  {time.monotonic() - t0:6.0f} s")
+        if live:
+            print("\r" + line, end="", flush=True)
+        elif step != shown and (shown is None or step - shown >= 10 or step >= steps):
+            print(line, flush=True)
+            shown = step
+        if step >= steps:
+            if live:
+                print()
+            return 0
+        if any(n.proc.poll() is not None for n in nodes):
+            dead = [n.name for n in nodes if n.proc.poll() is not None]
+            print(f"\nswarm-node demo: {', '.join(dead)} exited; see {swarm.workdir}/*.err", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
