@@ -66,6 +66,35 @@ def metric_sum(metrics: dict[str, float], name: str, **labels) -> float:
     return total
 
 
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def write_manifest(manifest, path: str | Path) -> Path:
+    """Write a ``Manifest`` as a TOML file ``load_manifest`` reads back to an equal manifest (for
+    launching swarms on a variant of a shipped run: ``m.replace(sentinel={"enabled": False})``)."""
+    from stages.manifest import load_manifest
+
+    lines = []
+    for section, values in manifest.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path = Path(path)
+    path.write_text("\n".join(lines))
+    if load_manifest(path) != manifest:
+        raise ValueError(f"{path}: the written manifest does not read back equal")
+    return path
+
+
 @dataclass
 class NodeProc:
     name: str

@@ -51,6 +51,12 @@ def outcomes(tmp_path_factory):
         text = (ROOT / "runs" / "test.toml").read_text()
         other.write_text(text.replace("seq_len = 32", "seq_len = 16").replace('lr = 3e-3', 'lr = 1e-2')
                          .replace("max_inflight = 2", "max_inflight = 3"))
+        # a stage far bigger than this machine's memory (first node of its own swarm: no peers)
+        from node.demo import write_manifest
+        from stages.manifest import load_manifest
+
+        huge = write_manifest(load_manifest("test").replace(model={"d_model": 16384, "n_heads": 16}),
+                              tmp / "huge.toml")
         # ports held by someone else
         busy_metrics = socket.socket()
         busy_metrics.bind(("127.0.0.1", 0))
@@ -71,6 +77,7 @@ def outcomes(tmp_path_factory):
             "listen_port": base + ["--metrics-port", "-1", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{lport}",
                                    "--initial-peers", *peers],
             "world_readable": base + ["--metrics-port", "-1", "--identity", str(open_key), "--initial-peers", *peers],
+            "too_big": ["run", "--local", "--manifest", str(huge), "--stage", "1", "--metrics-port", "-1"],
             "no_manifest": ["run", "--local", "--manifest", str(tmp / "nope.toml"), "--metrics-port", "-1"],
             "stage_range": base[:-4] + ["--stage", "7", "--metrics-port", "-1"],
         }
@@ -149,6 +156,11 @@ def test_world_readable_identity_key(outcomes):
 def test_identity_already_online(outcomes):
     line = check(outcomes, "identity_in_use")
     assert "already online" in line and "swarm-node keygen" in line
+
+
+def test_stage_that_does_not_fit_in_memory(outcomes):
+    line = check(outcomes, "too_big")
+    assert "stage 1 needs about" in line and "GiB" in line and "free" in line
 
 
 def test_missing_manifest_and_bad_stage(outcomes):

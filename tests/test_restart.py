@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
-
 import pytest
 
 from node.checkpoint import list_checkpoints
@@ -18,15 +16,16 @@ from node.demo import LocalSwarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 def test_killed_node_resumes_from_its_checkpoint_with_the_same_identity(tmp_path):
     from node.identity import write_identity
 
-    manifest = tmp_path / "two-stage.toml"
-    manifest.write_text((ROOT / "runs" / "test.toml").read_text().replace(
-        "layout = [[0, 1], [1, 2], [2, 3]]", "layout = [[0, 2], [2, 3]]"))
+    from node.demo import write_manifest
+    from stages.manifest import load_manifest
+
+    # two stages; the basic verifier instead of SENTINEL (see tests/test_swarm_e2e.py)
+    manifest = write_manifest(load_manifest("test").replace(stages={"layout": [[0, 2], [2, 3]]},
+                                                            sentinel={"enabled": False}),
+                              tmp_path / "two-stage.toml")
     key = tmp_path / "tail.key"
     peer_id = write_identity(key)
     ckpt = tmp_path / "ckpt"
