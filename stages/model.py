@@ -17,9 +17,12 @@ constrained stage ``h = T[x] + U·c`` and the boundary codec (stages/subspace.py
 tail's blocks are constrained only if ``subspace.constrain_tail`` (nothing leaves the tail but a
 loss). Positions enter only through RoPE, never through an additive table.
 
-Dense variant (``subspace.enabled = false``): a plain learned embedding ``h0 = E[x]``,
-unconstrained writers, and no token table at all (T would only be a fixed offset a learned
-embedding can absorb; the baseline is the ordinary model).
+Dense variant (``subspace.enabled = false``): unconstrained writers and a full-width learned
+embedding on top of the same frozen table, ``h0 = T[x] + E[x]``, so dense and subspace differ
+only in the constraint. (Equivalent to a learned embedding initialised at T whose T part is
+exempt from weight decay. Measured, scripts/bench_subspace.py: with post-branch RMSNorm every
+branch adds a vector of RMS 1 per channel, and a plain embedding initialised at std 0.02 is
+drowned by them; at equal tokens that baseline was worse than the *subspace* model.)
 
 The subspace constants U and T are buffers of one ``codec`` module per Transformer / Stage and
 are passed down to the writers at call time, so they exist once per module tree. Every
@@ -111,7 +114,10 @@ class WriterLinear(nn.Module):
 
 
 class TokenEmbedding(nn.Module):
-    """Initial residual: ``T[x] + U·Zemb[x]`` (subspace; weight = Zemb (V, k)) or ``E[x]`` (dense)."""
+    """Initial residual: ``T[x] + U·Zemb[x]`` (subspace; weight = Zemb (V, k)), ``T[x] + E[x]`` (dense).
+
+    T is the frozen table (None: no table, h0 = E[x]).
+    """
 
     def __init__(self, vocab_size: int, d: int, k: int | None):
         super().__init__()
@@ -119,11 +125,11 @@ class TokenEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, k if self.constrained else d))
 
     def forward(self, ids: Tensor, U: Tensor | None, T: Tensor | None) -> Tensor:
-        z = F.embedding(ids, self.weight)
-        if not self.constrained:
-            return z.float()
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            return T[ids] + z.float() @ U.T
+        z = F.embedding(ids, self.weight).float()
+        if self.constrained:
+            with torch.autocast(device_type=z.device.type, enabled=False):
+                z = z @ U.T
+        return z if T is None else T[ids] + z
 
 
 class Attention(nn.Module):
@@ -224,9 +230,10 @@ def _init_params(module: nn.Module, manifest, global_name=lambda name: name) -> 
 
 
 def _constants(codec) -> tuple[Tensor | None, Tensor | None]:
+    """(U, T) of the run; U is None for a dense run."""
     if isinstance(codec, SubspaceCodec):
         return codec.U, codec.T
-    return None, None
+    return None, codec.T
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +243,7 @@ def _constants(codec) -> tuple[Tensor | None, Tensor | None]:
 class Transformer(nn.Module):
     """The whole decoder, ids (B, L) -> logits (B, L, V). Never goes through the codec.
 
-    ``codec`` only holds the subspace constants U, T (non-persistent buffers).
+    ``codec`` only holds the run's constants U, T (non-persistent buffers).
     """
 
     def __init__(self, manifest):

@@ -114,11 +114,16 @@ class SubspaceCodec(nn.Module):
 
 
 class DenseCodec(nn.Module):
-    """Baseline with the same interface: the boundary is the full residual stream (k = d)."""
+    """Baseline with the same interface: the boundary is the full residual stream (k = d).
 
-    def __init__(self, d: int):
+    It may carry the run's token table T (``T`` buffer, or None) for the dense model's embedding
+    ``T[x] + E[x]``; encode/decode are the identity and never use it.
+    """
+
+    def __init__(self, d: int, T: Tensor | None = None):
         super().__init__()
         self.d = self.k = d
+        self.register_buffer("T", None if T is None else T.to(torch.float32), persistent=False)
 
     def encode(self, h: Tensor, ids: Tensor) -> Tensor:
         return h.float()
@@ -131,14 +136,18 @@ class DenseCodec(nn.Module):
 
 
 def make_codec(manifest) -> SubspaceCodec | DenseCodec:
-    """The codec of a run: Subspace when ``manifest.subspace.enabled``, else dense."""
+    """The codec of a run: Subspace when ``manifest.subspace.enabled``, else dense.
+
+    Both carry the frozen token table T (scale ``subspace.token_table_scale``): the dense model
+    uses it too, so that dense and subspace runs differ only in the constraint.
+    """
     md, sub = manifest.model, manifest.subspace
-    if not sub.enabled:
-        return DenseCodec(md.d_model)
-    U = make_basis(md.d_model, manifest.k, derive_seed(manifest.run.seed, "basis"))
     T = make_token_table(
         md.vocab_size, md.d_model, derive_seed(manifest.run.seed, "token_table"), sub.token_table_scale
     )
+    if not sub.enabled:
+        return DenseCodec(md.d_model, T)
+    U = make_basis(md.d_model, manifest.k, derive_seed(manifest.run.seed, "basis"))
     return SubspaceCodec(U, T)
 
 
@@ -152,6 +161,8 @@ def codec_fingerprint(codec: SubspaceCodec | DenseCodec) -> str:
             h.update(t.numpy().tobytes())
     else:
         h.update(f"dense:{codec.d}".encode())
+        if codec.T is not None:
+            h.update(codec.T.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -182,6 +182,11 @@ def test_writers_are_U_times_Z(test_manifest):
     assert isinstance(dense.codec, DenseCodec)
     assert dense.embed.weight.shape == (m.model.vocab_size, m.model.d_model)
     assert all(not b.constrained for b in dense.layers)
+    # dense h0 = T[x] + E[x]: same frozen table, full-width learned part
+    ids = _ids(m)
+    assert torch.equal(dense.codec.T, model.codec.T)
+    h0 = dense.embed(ids, None, dense.codec.T)
+    assert torch.allclose(h0 - dense.codec.T[ids], dense.embed.weight[ids], atol=1e-6)
 
 
 def test_inactive_block_is_exact_identity(test_manifest):
