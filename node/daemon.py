@@ -303,6 +303,7 @@ class Node:
 
             self.runtime.attack = make_attack(self.cfg.attack, seed=self.cfg.seed)
             log.warning("TESTING: this node poisons what it sends with the %r attack", self.cfg.attack)
+        self.restored = self.checkpoint is not None
         if self.checkpoint is not None:
             step, tensors, meta = self.checkpoint
             self.runtime.restore(tensors, meta)
@@ -397,7 +398,7 @@ class Node:
             rt.set_state("joining")
             self._set_server_state("joining")
             await self._refresh_peers()
-            if rt.version == 0 and not self._restored:
+            if not self.restored:
                 replicas = [p.peer_id for p in self.router.stage_peers(self.index)]
                 if replicas:
                     try:
@@ -422,10 +423,6 @@ class Node:
         finally:
             code = await self._shutdown(bg)
         return code
-
-    @property
-    def _restored(self) -> bool:
-        return self.runtime.version > 0
 
     def _on_signal(self, sig) -> None:
         if self._stop.is_set():
@@ -498,6 +495,10 @@ class Node:
         rt, cfg = self.runtime, self.cfg
         t0 = time.monotonic()
         self._set_server_state("draining")
+        if rt.worker is not None:
+            rt.set_state("draining")
+            self._announce_now.set()  # tell the swarm at once, so routers stop sending us work
+            await asyncio.sleep(0)
         drained = await rt.drain(cfg.drain_timeout) if rt.worker is not None else True
         log.info("drain %s in %.1f s", "complete" if drained else "timed out", time.monotonic() - t0)
         if self.dht.is_alive():

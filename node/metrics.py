@@ -78,6 +78,8 @@ class NodeMetrics:
         r.register(_WireBytes(self))
         self._averaging_source = None
         r.register(_Averaging(self))
+        self._busy_source = None
+        r.register(_ComputeBusy(self))
         self.staleness = Histogram("swarm_node_staleness_steps",
                                    "Own optimizer steps between a microbatch's forward and its gradient",
                                    buckets=_STALENESS_BUCKETS, registry=r)
@@ -128,6 +130,10 @@ class NodeMetrics:
         own counters, so a scrape is never behind the traffic)."""
         self._wire_source = source
 
+    def attach_compute_busy(self, source) -> None:
+        """``source()`` -> seconds the compute worker has been busy (utilisation = its rate)."""
+        self._busy_source = source
+
     def attach_averaging(self, source) -> None:
         """``source()`` -> ``node.averaging.AveragingStats.as_dict()``, read at every scrape."""
         self._averaging_source = source
@@ -167,6 +173,23 @@ class _WireBytes:
             counts[key] = counts.get(key, 0) + n
         for (proto, direction), n in sorted(counts.items()):
             fam.add_metric([proto, direction], float(n))
+        yield fam
+
+
+class _ComputeBusy:
+    """``swarm_node_compute_busy_seconds_total``: time the compute worker spent on jobs;
+    ``rate()`` of it is the stage's utilisation."""
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return [CounterMetricFamily("swarm_node_compute_busy_seconds", "Seconds the compute worker was busy")]
+
+    def collect(self):
+        source = self.metrics._busy_source
+        fam = CounterMetricFamily("swarm_node_compute_busy_seconds", "Seconds the compute worker was busy")
+        fam.add_metric([], float(source()) if source is not None else 0.0)
         yield fam
 
 

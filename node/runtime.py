@@ -278,6 +278,7 @@ class StageRuntime:
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self.worker = ComputeWorker(loop, name=f"compute-stage{self.index}")
+        self.metrics.attach_compute_busy(lambda: self.worker.busy_s)
         # per-protocol limits: a frame bigger than the largest valid one is refused before allocation
         def body_limit(expect) -> Limits:
             return Limits(max_body_bytes=expect.max_body_bytes() if expect is not None else 0, max_tensors=4)
@@ -630,8 +631,15 @@ class StageRuntime:
                 if p.grad is not None:
                     p.grad.div_(self._accum)
         set_lr(self.optimizer, lr_at(self.m.schedule, self.m.optim.lr, self.la.version))
-        if self.m.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.m.optim.grad_clip)
+        clip = self.m.optim.grad_clip if self.m.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if not torch.isfinite(norm):
+            # one bad microbatch must not poison the weights: skip this step, keep training
+            log.warning("gradient norm is %s at step %d: step skipped", float(norm), self.la.version)
+            self.metrics.microbatches.labels(outcome="nonfinite-step").inc()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._accum = 0
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.la.stepped()

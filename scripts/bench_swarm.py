@@ -13,7 +13,7 @@ both sides; validation excluded for train-local). Default: the shipped default m
 steps (a few minutes on a loaded 2-core box); ``--quick``: runs/test.toml for 60 steps. The
 baseline runs with whichever torch thread count is faster here (probed first; see settings).
 
-    .venv/bin/python scripts/bench_swarm.py [--quick] [--steps N] [--manifest M]
+    .venv/bin/python scripts/bench_swarm.py [--quick] [--steps N] [--manifest M] [--no-sentinel]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -69,7 +70,8 @@ def run_local(manifest, steps: int) -> dict:
             "boundary_bytes_per_token": res["boundary_bytes_per_token"]}
 
 
-def run_swarm(manifest_arg: str, manifest, steps: int, torch_threads: int, workdir: Path, timeout: float) -> dict:
+def run_swarm(manifest_arg: str, manifest, steps: int, torch_threads: int, workdir: Path, timeout: float,
+              stall_timeout: float = 180.0) -> dict:
     from node.demo import LocalSwarm, metric_sum
 
     logs = [workdir / f"steps{i}.jsonl" for i in range(manifest.n_stages)]
@@ -81,9 +83,17 @@ def run_swarm(manifest_arg: str, manifest, steps: int, torch_threads: int, workd
                                                             "--no-averaging"])
                  for i in range(manifest.n_stages)]
         sw.wait_ready(timeout=300)
-        head = nodes[0]
+        head, tail = nodes[0], nodes[-1]
         deadline = time.monotonic() + timeout
+        last_step, last_change = -1, time.monotonic()
         while time.monotonic() < deadline and any(n.proc.poll() is None for n in nodes):
+            step = metric_sum(sw.metrics(tail), "swarm_node_steps_total") if tail.proc.poll() is None else last_step
+            if step != last_step:
+                last_step, last_change = step, time.monotonic()
+            elif time.monotonic() - last_change > stall_timeout:
+                bans = sum(metric_sum(sw.metrics(n), "swarm_node_bans_total") for n in nodes)
+                raise RuntimeError(f"the swarm stalled at step {int(last_step)} for {stall_timeout:.0f} s "
+                                   f"({int(bans)} bans; logs in {workdir / 'swarm'})")
             if head.proc.poll() is None:
                 status, text = sw.get(head, "/status")
                 ms = [sw.metrics(n) for n in nodes]
@@ -127,7 +137,14 @@ def main() -> int:
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads per swarm node (default 1)")
     p.add_argument("--timeout", type=float, default=900, help="seconds the swarm may train")
     p.add_argument("--workdir", default="", help="keep the swarm's logs here")
+    p.add_argument("--no-sentinel", action="store_true",
+                   help="verify with the basic checks instead of SENTINEL (a variant of the manifest)")
     args = p.parse_args()
+
+    def on_term(signum, frame):  # `timeout` and CI send SIGTERM: stop the swarm on the way out
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
     from stages.manifest import load_manifest
@@ -138,6 +155,11 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.no_sentinel:
+        from node.demo import write_manifest
+
+        m = m.replace(sentinel={"enabled": False})
+        manifest_arg = str(write_manifest(m, workdir / "manifest-basic-verifier.toml"))
 
     local_threads, probe = pick_local_threads(m)
     local = run_local(m, steps)
