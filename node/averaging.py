@@ -179,8 +179,14 @@ class ReplicaAverager:
         averager = DecentralizedAverager([self._buffer], self.dht, start=False, **self._averager_kwargs)
         try:
             averager.run_in_background(await_ready=True, timeout=max(30.0, self.timeout))
+        except BaseException:
+            if averager.is_alive():
+                averager.terminate()
+                averager.join(5)
+            raise
         finally:
-            signal.signal(signal.SIGINT, previous)  # hivemind leaves SIGINT ignored in the parent
+            if previous is not None:  # hivemind leaves SIGINT ignored in the parent
+                signal.signal(signal.SIGINT, previous)
         self._averager = averager
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="averaging")
 

@@ -363,17 +363,17 @@ def test_first_moments_per_optimizer():
 # ----------------------------------------------------------------------------- benchmark smoke
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(90)
 def test_bench_quick_runs_and_prints_one_json():
     import json
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_asyncmesh.py"), "--quick"],
-                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+                          capture_output=True, text=True, timeout=85, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     for key in ("val_loss", "lookahead_gap_rel", "utilisation", "sparse_avg_gap_rel", "avg_bytes_ratio", "settings"):
         assert key in out
     assert set(out["val_loss"]) == {"gpipe", "async_none", "async_lookahead"}
     assert all(math.isfinite(v) for v in out["val_loss"].values())
-    assert time.monotonic() - t0 < 110
+    assert out["settings"]["steps"] > 0 and time.monotonic() - t0 < 85

@@ -56,10 +56,14 @@ def _dht(initial_peers=None):
 def no_leftover_processes():
     before = _descendants(os.getpid())
     yield
+
+    def ours():
+        return {p for p in _descendants(os.getpid()) - before if not _is_torch_shm_manager(p)}
+
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _descendants(os.getpid()) - before:
+    while time.monotonic() < deadline and ours():
         time.sleep(0.1)
-    left = {p for p in _descendants(os.getpid()) - before if not _is_torch_shm_manager(p)}
+    left = ours()
     assert not left, f"processes left behind: {left}"
 
 
@@ -208,3 +212,42 @@ def _try(fn):
     except Exception as e:  # noqa: BLE001
         return e
     return None
+
+
+def _finished_round(avg, number, result=None, error=None):
+    """A round whose hivemind part is already over (no network): drives ReplicaAverager's bookkeeping."""
+    import concurrent.futures
+
+    from node.averaging import _Round
+    from stages.asyncmesh import snapshot
+
+    idx = avg.schedule.indices(number)
+    rnd = _Round(number, 0, idx, snapshot(avg.params, idx), None, [False] * len(avg.params), 0.0)
+    rnd.future = concurrent.futures.Future()
+    if error is not None:
+        rnd.future.set_exception(error)
+    else:
+        rnd.future.set_result(result)
+    avg._round = rnd
+    avg._next_round = number + 1
+    return rnd
+
+
+def test_round_number_disagreement_resynchronises_and_failures_are_skipped():
+    params = [torch.arange(8, dtype=torch.float32)]
+    ref = params[0].clone()
+    avg = ReplicaAverager(None, params, prefix="x_stage0_avg", fraction=0.5, every=100, seed=3, correction=False)
+    avg._averager = object()  # stands in for the hivemind process: nothing below talks to it
+    _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 5], [[False], [False]]))
+    assert avg.maybe_average(1) is False
+    assert avg.stats.rounds_mismatched == 1 and avg._next_round == 6  # continue after the largest
+    assert torch.equal(params[0], ref)  # a mixed-slice "average" is never applied
+    _finished_round(avg, 6, error=TimeoutError("no group"))
+    assert avg.maybe_average(2) is False and avg.stats.rounds_failed == 1
+    rnd = _finished_round(avg, 6, result=(torch.full((4,), 100.0), [6, 6], [[False], [False]]))
+    assert avg.maybe_average(3) is True and avg.stats.rounds_applied == 1
+    S = rnd.indices[0]
+    assert torch.equal(params[0][S], torch.full((4,), 100.0))
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[S] = False
+    assert torch.equal(params[0][untouched], ref[untouched])

@@ -1,0 +1,556 @@
+"""Benchmark: AsyncMesh (papers.md §2) — stale pipeline gradients with and without look-ahead,
+sparse replica averaging with and without the staleness correction, pipeline utilisation.
+
+Loss runs are in one process on the bundled corpus (stages.data) with the real stages
+(stages.model.build_stage) and the real AsyncMesh code (stages.asyncmesh). Prints ONE JSON object.
+
+Pipeline axis (S stages, one replica each, equal tokens and equal optimizer steps, averaged over
+``--seeds`` data orders):
+- ``gpipe``: synchronous; every stage's gradient is computed on the weights it is applied to
+  (a flush of F microbatches of B/F sequences is one step on B sequences, so gpipe here is
+  one step per batch with delay 0);
+- ``async_none`` / ``async_lookahead``: 1F1B without flushes: microbatch j's gradient reaches
+  stage s at tick j + τ_s, τ_s = (S−1−s)·u optimizer steps later (u = ⌈(max_inflight−1)/(S−1)⌉:
+  the head has max_inflight microbatches in flight); ``none`` recomputes on a stash of the
+  forward's weights, ``lookahead`` forwards and recomputes on Ŵ = W − τ̂·η·m̂.
+- ``lookahead_gap_rel`` = val(async_lookahead)/val(gpipe) − 1 (seed means).
+
+Utilisation (busy / wall per stage): (1) a discrete-event simulation of both schedules driven by
+the per-stage forward and backward(+recompute) times measured in the async runs, zero-latency
+links; (2) ``utilisation.runtime``: a real local swarm (node.demo.LocalSwarm: bootstrap + one
+``swarm-node run`` per stage on loopback) of the manifest's own model in lookahead and gpipe
+mode, busy = growth of ``swarm_node_compute_seconds_sum`` over ``--runtime-seconds``.
+
+Data axis (R replicas of the whole model, equal tokens):
+- ``full_every_step``: all parameters averaged after every step;
+- ``sparse``: a rotating p-fraction slice every H steps (PartitionSchedule), the average arriving
+  ``avg_latency`` steps after its snapshot and applied as a delta (λ = 1);
+- ``sparse_corrected``: ``avg_correction`` as node/averaging.py does it: first moments averaged
+  on the same slice, their delta scaled by β^s (StalenessCorrection);
+- ``sparse_avg_gap_rel`` = val(sparse_corrected)/val(full) − 1; ``avg_bytes_ratio`` = all-reduce
+  payload bytes of full / sparse_corrected. ``--ablation`` adds sparse_moments (λ_m = 1) and
+  sparse_lambda (parameters' λ = 1 + s/(P·H)).
+
+Loss runs use a smaller model than runs/default.toml (d_model 64, seq_len 64, k 8; ``settings``
+says so) to fit ~10 minutes on a shared 2-core CPU; ``--quick`` is a smoke run (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from stages.asyncmesh import (  # noqa: E402
+    LookaheadForward,
+    PartitionSchedule,
+    StalenessCorrection,
+    apply_average_delta,
+    first_moments,
+    snapshot,
+)
+from stages.data import Batches, load_corpus, val_batches  # noqa: E402
+from stages.manifest import load_manifest  # noqa: E402
+from stages.model import build_model, build_stage, count_parameters, lm_loss  # noqa: E402
+from stages.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_asyncmesh {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--manifest", default="default", help="manifest file or shipped name")
+    p.add_argument("--d-model", type=int, default=64, help="model width (0: manifest's)")
+    p.add_argument("--n-layers", type=int, default=6, help="layers (0: manifest's); split evenly over stages")
+    p.add_argument("--k", type=int, default=8, help="subspace rank k (0: the manifest's compression rate)")
+    p.add_argument("--stages", type=int, default=3, help="pipeline stages S")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch / step")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (= microbatches) per run")
+    p.add_argument("--optim", default="nadam", help="pipeline optimizer (papers.md §2: NAdam β1 0.99)")
+    p.add_argument("--beta1", type=float, default=0.99)
+    p.add_argument("--beta2", type=float, default=0.999)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-inflight", type=int, default=0, help="head's microbatches in flight (0: manifest's)")
+    p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
+    p.add_argument("--replicas", type=int, default=2, help="replicas R for the averaging runs")
+    p.add_argument("--avg-fraction", type=float, default=0.05, help="p")
+    p.add_argument("--avg-every", type=int, default=10, help="H")
+    p.add_argument("--avg-latency", type=int, default=5, help="local steps between snapshot and application")
+    p.add_argument("--disjoint-shards", action="store_true",
+                   help="replicas train on disjoint contiguous shards (default: independent samples of the whole corpus)")
+    p.add_argument("--avg-optim", default="adamw", help="optimizer of the averaging runs")
+    p.add_argument("--val-batches", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=3, help="pipeline runs per mode (seeds seed, seed+1, ...), averaged")
+    p.add_argument("--runtime-seconds", type=float, default=30.0,
+                   help="measure utilisation on a real local swarm of the manifest's own model for this many "
+                   "seconds per mode (0: skip)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--only", choices=("pipeline", "averaging"), default=None)
+    p.add_argument("--ablation", action="store_true",
+                   help="also run sparse_moments (moments averaged, λ_m = 1) and sparse_lambda (λ = 1 + s/(P·H))")
+    p.add_argument("--variants", default="", help="comma-separated averaging variants to run (experiments)")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.manifest, args.d_model, args.n_layers, args.seq_len, args.k = "test", 0, 0, 16, 0
+        args.batch_size, args.steps, args.val_batches, args.avg_every = 2, 8, 2, 2
+        args.avg_latency, args.avg_fraction, args.seeds, args.runtime_seconds = 1, 0.25, 1, 0.0
+    return args
+
+
+def make_manifest(args):
+    m = load_manifest(args.manifest)
+    model = {}
+    if args.d_model:
+        model["d_model"] = args.d_model
+    if args.n_layers:
+        model["n_layers"] = args.n_layers
+    model["seq_len"] = args.seq_len
+    m = m.replace(model=model) if model else m
+    if args.k and m.subspace.enabled:
+        if m.model.d_model % args.k:
+            raise SystemExit(f"--k {args.k} does not divide d_model {m.model.d_model}")
+        m = m.replace(subspace={"compression_rate": m.model.d_model // args.k})
+    n, S = m.model.n_layers, args.stages
+    if S > n:
+        raise SystemExit(f"--stages {S} exceeds the model's {n} layers")
+    cuts = [round(i * n / S) for i in range(S + 1)]
+    layout = [[cuts[i], cuts[i + 1]] for i in range(S)]
+    return m.replace(
+        stages={"layout": layout},
+        optim={"name": args.optim, "lr": args.lr, "betas": [args.beta1, args.beta2]},
+        schedule={"total_steps": args.steps, "warmup_steps": max(1, args.steps // 20)},
+        data={"batch_size": args.batch_size},
+    )
+
+
+@torch.no_grad()
+def val_loss_chain(stages, batches) -> float:
+    losses = []
+    for ids in batches:
+        x = None
+        for st in stages:
+            x = st(x, ids)
+        losses.append(float(lm_loss(x, ids)))
+    return statistics.fmean(losses)
+
+
+# ------------------------------------------------------------------------------------ pipeline
+
+
+def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
+    """Train S stages for ``args.steps`` microbatches with per-stage gradient delays ``delays``."""
+    S = m.n_stages
+    torch.manual_seed(args.seed)
+    stages = [build_stage(m, s) for s in range(S)]
+    opts = [build_optimizer(m, st) for st in stages]
+    las = [LookaheadForward(st, o, mode=mode, delay_ema=m.asyncmesh.delay_ema) for st, o in zip(stages, opts)]
+    batches = Batches(corpus.train, args.batch_size, m.model.seq_len, args.seed)
+    ctx = [dict() for _ in range(S)]  # microbatch -> (weights, x, ids)
+    grads = [dict() for _ in range(S)]  # gradient w.r.t. stage s's output, per microbatch
+    fwd_t = [[] for _ in range(S)]
+    bwd_t = [[] for _ in range(S)]
+    train_losses = []
+
+    def step(s):
+        torch.nn.utils.clip_grad_norm_(stages[s].parameters(), m.optim.grad_clip)
+        opts[s].step()
+        opts[s].zero_grad(set_to_none=True)
+        las[s].stepped()
+        set_lr(opts[s], lr_at(m.schedule, m.optim.lr, las[s].version))
+
+    for s in range(S):
+        set_lr(opts[s], lr_at(m.schedule, m.optim.lr, 0))
+    t = 0
+    while t < args.steps or any(ctx):
+        if t < args.steps:  # forward of microbatch t through every stage
+            ids = batches.batch(t)
+            x = None
+            for s in range(S):
+                w = las[s].weights()
+                ctx[s][t] = (w, x, ids)
+                if s < S - 1:
+                    t0 = time.perf_counter()
+                    x = las[s].forward(w, x, ids)
+                    fwd_t[s].append(time.perf_counter() - t0)
+        for s in range(S - 1, -1, -1):  # gradients that arrive at tick t
+            j = t - delays[s]
+            if j not in ctx[s]:
+                continue
+            w, x, ids = ctx[s].pop(j)
+            t0 = time.perf_counter()
+            if s == S - 1:
+                out = las[s].backward(w, (x, ids), loss_fn=lambda logits, ids=ids: lm_loss(logits, ids))
+                train_losses.append(float(out.loss))
+            else:
+                out = las[s].backward(w, (x, ids), grad_output=grads[s].pop(j))
+            bwd_t[s].append(time.perf_counter() - t0)
+            if s > 0:
+                grads[s - 1][j] = out.input_grads[0]
+            step(s)
+        if t % 50 == 0 and train_losses:
+            progress(f"pipeline {mode}: tick {t} loss {train_losses[-1]:.3f}")
+        t += 1
+    return {
+        "val_loss": val_loss_chain(stages, val),
+        "train_loss_last20": statistics.fmean(train_losses[-20:]),
+        "tau_hat": [round(la.delays.tau_hat, 3) for la in las],
+        "fwd_s": [statistics.median(x) if x else 0.0 for x in fwd_t],
+        "bwd_s": [statistics.median(x) for x in bwd_t],
+    }
+
+
+# ------------------------------------------------------------------------------- utilisation
+
+
+def simulate_schedule(fwd: list[float], bwd: list[float], n_micro: int, mode: str, inflight: int, flush: int) -> dict:
+    """Discrete-event simulation of S single-server stages; returns busy/wall per stage.
+
+    Each stage runs one task at a time, backward first when both are ready (1F1B). async: the
+    head injects a microbatch whenever fewer than ``inflight`` are in flight; gpipe: ``flush``
+    microbatches, then waits until all their backwards are done (then the optimizer step).
+    The tail's backward includes its forward (recompute), so the tail has no separate forward.
+    """
+    S = len(bwd)
+    fwd = list(fwd)
+    fwd[S - 1] = 0.0
+    free_at = [0.0] * S
+    busy = [0.0] * S
+    ready: list[list] = [[] for _ in range(S)]  # heap of (priority, time_ready, microbatch, kind)
+    events: list = []
+    injected = done = group_done = 0
+    inflight_now = 0
+    now = 0.0
+    seq = 0
+
+    def push_ready(s, when, j, kind):
+        heapq.heappush(ready[s], (0 if kind == "B" else 1, when, j, kind))
+
+    def try_inject(at):
+        nonlocal injected, inflight_now
+        while injected < n_micro:
+            if mode == "gpipe":
+                if injected - group_done * flush >= flush:
+                    return
+            elif inflight_now >= inflight:
+                return
+            push_ready(0, at, injected, "F")
+            injected += 1
+            inflight_now += 1
+
+    try_inject(0.0)
+    while done < n_micro:
+        started = False
+        for s in range(S):
+            if free_at[s] <= now and ready[s] and ready[s][0][1] <= now:
+                _, _, j, kind = heapq.heappop(ready[s])
+                dur = fwd[s] if kind == "F" else bwd[s]
+                free_at[s] = now + dur
+                busy[s] += dur
+                seq += 1
+                heapq.heappush(events, (now + dur, seq, s, j, kind))
+                started = True
+        if started:
+            continue
+        when, _, s, j, kind = heapq.heappop(events)
+        now = max(now, when)
+        if kind == "F":
+            if s + 1 < S:
+                push_ready(s + 1, now, j, "F" if s + 1 < S - 1 else "B")
+        else:
+            if s > 0:
+                push_ready(s - 1, now, j, "B")
+            else:
+                done += 1
+                inflight_now -= 1
+                if mode == "gpipe" and done % flush == 0:
+                    group_done += 1
+                try_inject(now)
+        # a stage whose next task is ready later waits for the next event
+    wall = now
+    return {"per_stage": [round(b / wall, 4) for b in busy], "wall_s": round(wall, 4)}
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+
+
+def manifest_toml(m) -> str:
+    """The manifest as TOML (every section and field; values are scalars, strings and lists)."""
+    lines = []
+    for section, fields in m.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5) -> dict:
+    """busy/wall per stage of a real local swarm (bootstrap + one ``swarm-node run`` per stage on
+    loopback): busy = growth of ``swarm_node_compute_seconds_sum`` (the compute worker's time in
+    forward / backward / step) over a window of ``seconds`` after ``warmup_steps`` tail steps."""
+    import tempfile
+
+    from node.demo import LocalSwarm, metric_sum
+
+    mm = m.replace(asyncmesh={"mode": mode}, train={"steps": 1_000_000}, schedule={"total_steps": 1_000_000},
+                   sentinel={"enabled": False})
+    with tempfile.TemporaryDirectory(prefix="bench_asyncmesh_") as tmp:
+        path = Path(tmp) / f"{mode}.toml"
+        path.write_text(manifest_toml(mm))
+        with LocalSwarm(str(path), workdir=Path(tmp) / "swarm", torch_threads=1) as sw:
+            sw.start_bootstrap()
+            nodes = [sw.start_node(i, name=f"stage{i}", extra=["--no-averaging"]) for i in range(mm.n_stages)]
+            sw.wait_ready(timeout=300)
+            deadline = time.monotonic() + 300
+            while sw.value(nodes[-1], "swarm_node_steps_total") < warmup_steps:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"runtime utilisation ({mode}): the swarm did not train")
+                time.sleep(0.5)
+
+            def sample():
+                mets = [sw.metrics(n) for n in nodes]
+                return (time.monotonic(), [metric_sum(x, "swarm_node_compute_seconds_sum") for x in mets],
+                        metric_sum(mets[-1], "swarm_node_steps_total"))
+
+            t0, busy0, steps0 = sample()
+            time.sleep(seconds)
+            t1, busy1, steps1 = sample()
+    per_stage = [round((b1 - b0) / (t1 - t0), 4) for b0, b1 in zip(busy0, busy1)]
+    return {"per_stage": per_stage, "mean": round(statistics.fmean(per_stage), 4),
+            "tail_steps_per_s": round((steps1 - steps0) / (t1 - t0), 3), "window_s": round(t1 - t0, 1)}
+
+
+# ------------------------------------------------------------------------------- averaging
+
+CORRECTED = "sparse_corrected"  # what asyncmesh.avg_correction = true does in node/averaging.py
+
+
+def run_averaging(m, variant: str, corpus, val, args) -> dict:
+    """R replicas of the whole model; ``variant`` in full | sparse | sparse_corrected | …"""
+    R = args.replicas
+    torch.manual_seed(args.seed)
+    am = m.replace(optim={"name": args.avg_optim, "betas": [0.9, 0.95]}, stages={"layout": [[0, m.model.n_layers]]})
+    models = [build_model(am) for _ in range(R)]
+    for mod in models[1:]:
+        mod.load_state_dict(models[0].state_dict())
+    opts = [build_optimizer(am, mod) for mod in models]
+    if args.disjoint_shards:  # contiguous, disjoint regions of the corpus (different source files)
+        data = [Batches(corpus.train, args.batch_size, am.model.seq_len, args.seed, shard=r, num_shards=R)
+                for r in range(R)]
+    else:  # each replica samples the whole corpus with its own seed (a stage replica fed by many heads)
+        data = [Batches(corpus.train, args.batch_size, am.model.seq_len, args.seed * 1000 + r) for r in range(R)]
+    params = [[p for p in mod.parameters() if p.requires_grad] for mod in models]
+    n_elem = sum(p.numel() for p in params[0])
+    sched = PartitionSchedule([p.shape for p in params[0]], args.avg_fraction, am.run.seed)
+    mom_on = variant in ("sparse_moments", "sparse_corrected")
+    corr = StalenessCorrection(variant == "sparse_corrected")
+    pending = []  # (apply_at_step, indices, param snaps, param avg, moment snaps, moment avg, start)
+    bytes_total = 0
+    group = 2 * (R - 1) / R  # butterfly all-reduce payload factor per peer
+    rnd = 0
+    lams = []
+    for step in range(args.steps):
+        for r in range(R):
+            ids = data[r].batch(step)
+            loss = lm_loss(models[r](ids), ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params[r], am.optim.grad_clip)
+            set_lr(opts[r], lr_at(am.schedule, am.optim.lr, step))
+            opts[r].step()
+            opts[r].zero_grad(set_to_none=True)
+        done = step + 1
+        if variant == "full":
+            with torch.no_grad():
+                for ps in zip(*params):
+                    mean = torch.stack(ps).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+            bytes_total += group * 4 * n_elem
+            continue
+        if done % args.avg_every == 0:
+            idx = sched.indices(rnd)
+            snaps = [snapshot(params[r], idx) for r in range(R)]
+            avg = torch.stack(snaps).mean(0)
+            msnaps = mavg = None
+            if mom_on:
+                msnaps = [snapshot(first_moments(opts[r], params[r])[0], idx) for r in range(R)]
+                mavg = torch.stack(msnaps).mean(0)
+            pending.append((done + args.avg_latency, idx, snaps, avg, msnaps, mavg, done))
+            bytes_total += group * 4 * sched.max_size * (2 if mom_on else 1)
+            rnd += 1
+        while pending and pending[0][0] <= done:
+            _, idx, snaps, avg, msnaps, mavg, start = pending.pop(0)
+            s = done - start
+            for r in range(R):
+                lam = 1.0 + s / (sched.n_partitions * args.avg_every) if variant == "sparse_lambda" else 1.0
+                apply_average_delta(params[r], idx, snaps[r], avg, lam)
+                if mavg is not None:
+                    moments, decays = first_moments(opts[r], params[r])
+                    lam_m = corr.moment_lambdas(s, decays) if corr.enabled else [1.0] * len(decays)
+                    lams.append(statistics.fmean(lam_m))
+                    apply_average_delta(moments, idx, msnaps[r], mavg, lam_m)
+        if step % 50 == 0:
+            progress(f"averaging {variant}: step {step} loss {loss.item():.3f}")
+    losses = []
+    for mod in models:
+        losses.append(val_loss_chain([_Whole(mod)], val))
+    return {
+        "val_loss": statistics.fmean(losses),
+        "val_loss_per_replica": [round(x, 4) for x in losses],
+        "bytes_per_replica": int(bytes_total),
+        "mean_moment_lambda": round(statistics.fmean(lams), 4) if lams else None,
+    }
+
+
+class _Whole(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, ids):
+        return self.model(ids)
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # one intra-op thread: on a shared box more threads oversubscribe the cores and run slower
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    m = make_manifest(args)
+    corpus = load_corpus(m.data)
+    val = val_batches(corpus.val, args.batch_size, m.model.seq_len, args.val_batches)
+    S = m.n_stages
+    inflight = args.max_inflight or m.train.max_inflight
+    flush = args.flush_every or m.asyncmesh.gpipe_flush_every
+    u = max(1, math.ceil((inflight - 1) / max(1, S - 1)))
+    delays = [(S - 1 - s) * u for s in range(S)]
+    out: dict = {"benchmark": "asyncmesh"}
+    if args.only != "averaging":
+        seeds = [args.seed + i for i in range(args.seeds)]
+        per_seed = {mode: [] for mode in ("gpipe", "async_none", "async_lookahead")}
+        for seed in seeds:
+            args_s = argparse.Namespace(**{**vars(args), "seed": seed})
+            per_seed["gpipe"].append(run_pipeline(m, "gpipe", [0] * S, corpus, val, args_s))
+            per_seed["async_none"].append(run_pipeline(m, "none", delays, corpus, val, args_s))
+            per_seed["async_lookahead"].append(run_pipeline(m, "lookahead", delays, corpus, val, args_s))
+        vl = {k: statistics.fmean(r["val_loss"] for r in v) for k, v in per_seed.items()}
+        out["val_loss"] = {k: round(v, 4) for k, v in vl.items()}
+        out["val_loss_per_seed"] = {k: [round(r["val_loss"], 4) for r in v] for k, v in per_seed.items()}
+        out["train_loss_last20"] = {
+            k: round(statistics.fmean(r["train_loss_last20"] for r in v), 4) for k, v in per_seed.items()
+        }
+        out["lookahead_gap_rel"] = round(vl["async_lookahead"] / vl["gpipe"] - 1, 4)
+        out["none_gap_rel"] = round(vl["async_none"] / vl["gpipe"] - 1, 4)
+        out["lookahead_beats_none"] = vl["async_lookahead"] < vl["async_none"]
+        out["lookahead_beats_none_seeds"] = sum(
+            a["val_loss"] < b["val_loss"] for a, b in zip(per_seed["async_lookahead"], per_seed["async_none"])
+        )
+        out["tau_hat"] = per_seed["async_lookahead"][0]["tau_hat"]
+        timed = per_seed["async_none"] + per_seed["async_lookahead"]
+        fwd = [statistics.median(r["fwd_s"][s] for r in timed) for s in range(S)]
+        bwd = [statistics.median(r["bwd_s"][s] for r in timed) for s in range(S)]
+        n_micro = 50 * flush * S
+        ua = simulate_schedule(fwd, bwd, n_micro, "async", inflight, flush)
+        ug = simulate_schedule(fwd, bwd, n_micro, "gpipe", inflight, flush)
+        out["utilisation"] = {
+            "async": round(statistics.fmean(ua["per_stage"]), 4),
+            "gpipe": round(statistics.fmean(ug["per_stage"]), 4),
+            "async_per_stage": ua["per_stage"],
+            "gpipe_per_stage": ug["per_stage"],
+            "async_min_stage": min(ua["per_stage"]),
+            "source": "discrete-event simulation from measured per-stage compute times (zero-latency links), "
+            "not the networked runtime",
+            "stage_fwd_s": [round(x, 5) for x in fwd],
+            "stage_bwd_s": [round(x, 5) for x in bwd],
+            "microbatches": n_micro,
+        }
+        if args.runtime_seconds > 0:
+            rm = load_manifest(args.manifest)  # the manifest's own model: the default run, not the small one
+            rt = {mode: runtime_utilisation(rm, mode, args.runtime_seconds) for mode in ("lookahead", "gpipe")}
+            out["utilisation"]["runtime"] = {
+                "async": rt["lookahead"]["mean"], "gpipe": rt["gpipe"]["mean"],
+                "async_per_stage": rt["lookahead"]["per_stage"], "gpipe_per_stage": rt["gpipe"]["per_stage"],
+                "tail_steps_per_s": {"async": rt["lookahead"]["tail_steps_per_s"],
+                                     "gpipe": rt["gpipe"]["tail_steps_per_s"]},
+                "window_s": args.runtime_seconds,
+                "model": f"{args.manifest} manifest as shipped (d_model {rm.model.d_model}, {rm.model.n_layers} layers, "
+                f"seq_len {rm.model.seq_len}, batch {rm.data.batch_size}), sentinel off",
+                "source": "real local swarm (one swarm-node run per stage, loopback, 1 torch thread each): "
+                "compute-worker seconds / wall seconds; on a shared CPU, time waiting for a core inside a "
+                "compute call counts as busy",
+            }
+    if args.only != "pipeline":
+        variants = ["full", "sparse", "sparse_corrected"]
+        if args.ablation:
+            variants += ["sparse_moments", "sparse_lambda"]
+        if args.variants:
+            variants = args.variants.split(",")
+        avg_runs = {}
+        for v in variants:
+            avg_runs[v] = run_averaging(m, v, corpus, val, args)
+        out["averaging_val_loss"] = {
+            ("full_every_step" if k == "full" else k): round(v["val_loss"], 4) for k, v in avg_runs.items()
+        }
+        out["averaging_val_loss_per_replica"] = {k: v["val_loss_per_replica"] for k, v in avg_runs.items()}
+        out["avg_bytes_per_replica"] = {k: v["bytes_per_replica"] for k, v in avg_runs.items()}
+        out["mean_moment_lambda"] = {k: v["mean_moment_lambda"] for k, v in avg_runs.items() if k != "full"}
+        if "full" in avg_runs:
+            full = avg_runs["full"]
+            out["averaging_gap_rel"] = {
+                k: round(v["val_loss"] / full["val_loss"] - 1, 4) for k, v in avg_runs.items() if k != "full"
+            }
+            if CORRECTED in avg_runs:
+                out["sparse_avg_gap_rel"] = out["averaging_gap_rel"][CORRECTED]
+                out["avg_bytes_ratio"] = round(full["bytes_per_replica"] / avg_runs[CORRECTED]["bytes_per_replica"], 2)
+            if "sparse" in avg_runs:
+                out["sparse_uncorrected_gap_rel"] = out["averaging_gap_rel"]["sparse"]
+    out["settings"] = {
+        "manifest": args.manifest,
+        "model": {"d_model": m.model.d_model, "n_layers": m.model.n_layers, "n_heads": m.model.n_heads,
+                  "seq_len": m.model.seq_len, "k": m.k, "params": count_parameters(build_model(m))},
+        "smaller_than_default_model": args.d_model not in (0, 256) or args.seq_len != 128,
+        "stages": S, "layout": [list(x) for x in m.stages.layout],
+        "steps": args.steps, "batch_size": args.batch_size,
+        "tokens_per_run": args.steps * args.batch_size * m.model.seq_len,
+        "pipeline_seeds": list(range(args.seed, args.seed + args.seeds)),
+        "pipeline_optim": {"name": m.optim.name, "lr": m.optim.lr, "betas": list(m.optim.betas),
+                           "weight_decay": m.optim.weight_decay, "grad_clip": m.optim.grad_clip,
+                           "schedule": m.schedule.kind, "warmup_steps": m.schedule.warmup_steps},
+        "delays_per_stage": delays, "max_inflight": inflight, "gpipe_flush_every": flush,
+        "gpipe_loss_runs": "delay 0 (synchronous), same batch per step as async",
+        "replicas": args.replicas, "avg_fraction": args.avg_fraction, "avg_every": args.avg_every,
+        "avg_latency_steps": args.avg_latency, "avg_optim": args.avg_optim,
+        "replica_data": "disjoint contiguous shards" if args.disjoint_shards else "independent samples of the corpus",
+        "avg_correction": "first moments averaged on the same slice, delta scaled by beta^s (StalenessCorrection)",
+        "val_batches": args.val_batches, "seed": args.seed, "torch_threads": args.threads,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
