@@ -169,6 +169,10 @@ class Block(nn.Module):
 
     ``active = False`` makes the block an exact identity (architecture warm-up skips it).
     ``constrained`` says whether its writers are ``U·Z``.
+
+    Zeroing ``output_projections()`` also makes the block an identity (rmsnorm(0) = 0), but not
+    a gentle one: the post-branch norm's Jacobian at 0 is I/sqrt(eps), so the first update gives
+    the branch its full RMS-1 output at once (Adam's step is sign-like, so it stays finite).
     """
 
     def __init__(self, d: int, n_heads: int, ffn_dim: int, eps: float, k: int | None, layer: int):
