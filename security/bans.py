@@ -1,0 +1,85 @@
+"""Ban list: count flags per peer, ban after enough of them, with exponential backoff.
+
+Pure bookkeeping (time is passed in, so it is testable and the event loop owns the clock).
+A verifier flag, a failed stream or a timeout is one ``record(peer, flagged=True, now)``; a good
+exchange is ``record(peer, flagged=False, now)``. A peer is banned when ``flags_to_ban`` of its
+last ``memory`` records are flags: an honest peer with a 1% false-positive rate almost never
+collects 3 flags in 20 verdicts (probability ~1e-3 per 20), while an attacker whose every tensor
+is flagged is banned on its third. The n-th ban of a peer lasts ``base_s · factor^(n-1)``
+(capped at ``max_s``); a peer that stays clean for ``decay_s`` after a ban expires starts over.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Peer:
+    recent: deque = field(default_factory=deque)
+    until: float = 0.0  # banned while now < until
+    strikes: int = 0  # bans so far (drives the backoff)
+    reason: str = ""
+
+
+class BanList:
+    def __init__(self, flags_to_ban: int = 3, memory: int = 20, base_s: float = 60.0,
+                 factor: float = 2.0, max_s: float = 3600.0, decay_s: float | None = None):
+        if flags_to_ban <= 0 or memory < flags_to_ban:
+            raise ValueError(f"bans: need 0 < flags_to_ban <= memory, got {flags_to_ban}, {memory}")
+        if base_s <= 0 or factor < 1 or max_s < base_s:
+            raise ValueError("bans: need base_s > 0, factor >= 1, max_s >= base_s")
+        self.flags_to_ban, self.memory = flags_to_ban, memory
+        self.base_s, self.factor, self.max_s = base_s, factor, max_s
+        self.decay_s = max_s if decay_s is None else decay_s
+        self._peers: dict[str, _Peer] = {}
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            p = self._peers[peer] = _Peer(recent=deque(maxlen=self.memory))
+        return p
+
+    def record(self, peer: str, flagged: bool, now: float, reason: str = "") -> bool:
+        """Note one verdict/outcome for ``peer``; True if this record got it banned."""
+        p = self._peer(peer)
+        if now < p.until:
+            return False  # already banned; its traffic should not reach us
+        if p.strikes and p.until and now - p.until > self.decay_s:
+            p.strikes = 0
+        p.recent.append(bool(flagged))
+        if flagged and sum(p.recent) >= self.flags_to_ban:
+            self.ban(peer, now, reason)
+            return True
+        return False
+
+    def ban(self, peer: str, now: float, reason: str = "") -> float:
+        """Ban ``peer`` now (the backoff grows with each ban); returns when it ends."""
+        p = self._peer(peer)
+        duration = min(self.max_s, self.base_s * self.factor ** p.strikes)
+        p.strikes += 1
+        p.until = now + duration
+        p.reason = reason
+        p.recent.clear()
+        return p.until
+
+    def is_banned(self, peer: str, now: float) -> bool:
+        p = self._peers.get(peer)
+        return p is not None and now < p.until
+
+    def banned(self, now: float) -> dict[str, float]:
+        """Peers banned at ``now`` -> when their ban ends."""
+        return {peer: p.until for peer, p in self._peers.items() if now < p.until}
+
+    def strikes(self, peer: str) -> int:
+        p = self._peers.get(peer)
+        return 0 if p is None else p.strikes
+
+    def reason(self, peer: str) -> str:
+        p = self._peers.get(peer)
+        return "" if p is None else p.reason
+
+    def forgive(self, peer: str) -> None:
+        """Forget everything about ``peer`` (an operator decision)."""
+        self._peers.pop(peer, None)

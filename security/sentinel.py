@@ -1,0 +1,534 @@
+"""SENTINEL: judge each boundary tensor against momentum statistics of the stage's traffic.
+
+papers.md §3. Pure PyTorch, no I/O. A pipeline stage cannot average anything, so it checks what
+it receives instead: every (B, L, k) activation or activation-gradient is reduced to a few
+statistics that are comparable across batches, compared with an exponential moving average
+(EMA) of the same statistics, and rejected when a distance leaves an adaptive Tukey fence.
+Nothing is recomputed; the cost is a few reductions, one small sort and one table lookup.
+
+1. Robust units (``normalize``). σ = median token norm / √k; the payload is divided by σ and
+   clipped to ±3. Honest gradients now and then put 90% of a batch's energy in a few tokens of
+   one odd sequence (measured on the default model: the RMS jumps 5× while the median token norm
+   moves 10%), so RMS-based statistics would flag honest traffic. log σ is kept as the scale
+   (gradients: log(N·σ), N = B·L, cancelling the 1/N of a mean loss so microbatch size does not
+   matter).
+2. Statistics (``Stats``) of the normalised token vectors x_t ∈ R^k:
+   per channel mean, mean |x|, RMS; Q quantiles of the projections y_tj = x_t·p_j on m fixed,
+   seeded unit vectors p_j.
+3. Distances to the reference r (``distances``), in robust units:
+
+       l1    = mean |m(s) − m(r)|,  m = [mean, absmean, rms] (3k values)      mean-absolute
+       l2    = ‖m(s) − m(r)‖₂ / √(3k)                                         normalised L2
+       sign  = share of Σ|s_i r_i| on components with opposite signs, over the channel means
+               and the projection medians                                     sign-flip ratio
+       swd   = mean_{q,j} |quant_qj(s) − quant_qj(r)|                         sliced Wasserstein-1
+       scale = |log σ(s) − log σ(r)|
+
+   and, when the token ids are given, two against the per-token table (``TokenTable``, an EMA
+   of the normalised payload per token id; gradients keyed by the *next* token, the label of
+   the loss at that position):
+
+       tok   = 1 − corr(x_t, T[id_t])     (honest: act ≈ 0.15, grad ≈ 0.5; content-free ≈ 1)
+       shift = ‖mean_t (x_t − T[id_t])‖ / RMS_t ‖x_t − T[id_t]‖
+
+   ``tok`` and ``shift`` are our addition: every other statistic is invariant to permuting the
+   token vectors of a batch, so a replay under new ids, a shuffle, or noise with the honest
+   mean and covariance matches the reference exactly while destroying the content.
+4. Verdict. Each distance is divided by its fence Q3 + κ·max(IQR, 0.1·median) over the last
+   ``window`` distances of *accepted* tensors; score = the largest ratio; reject when > 1 and
+   name the distance (``sentinel:tok``...). "Any distance out" rather than a vote, because the
+   attacks move different distances (scaling only ``scale``, a shuffle only ``tok``): a vote
+   would let every single-distance attack through; κ sets the false-positive rate of the union.
+
+References, warm-up and new senders: see ``Sentinel``; the reasoning and measurements behind the
+choices are in docs/SENTINEL.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+DIRECTIONS = ("act", "grad")
+DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift")
+
+
+@dataclass(frozen=True)
+class SentinelParams:
+    """Tuning of the detector. The first six mirror ``[sentinel]`` of the run manifest."""
+
+    beta_act: float = 0.9  # EMA decay of the activation reference (paper: 0.9)
+    beta_grad: float = 0.8  # ... of the gradient reference (paper: 0.8)
+    n_projections: int = 16  # random projections for the sliced Wasserstein distance
+    warmup: int = 10  # tensors of a direction accepted unconditionally to seed references/fences
+    window: int = 64  # recent accepted distances the fences are computed over
+    kappa: float = 3.0  # Tukey fence Q3 + κ·IQR
+    seed: int = 0  # seeds the projections (public: knowing them does not help an attacker)
+    n_quantiles: int = 32  # quantile levels per projection
+    iqr_floor: float = 0.1  # the IQR used is at least this fraction of the window median
+    clip: float = 3.0  # normalised values are clipped to ±clip robust units
+    beta_tok: float = 0.9  # EMA decay of a token-table row (per batch the token occurs in)
+    token_buckets: int = 4096  # table rows; token id -> id % token_buckets
+    max_tokens: int = 8192  # tokens sorted for quantiles (a fresh random subset beyond this)
+    replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks
+    reject_weight: float = 0.1  # rejected tensors move the references at this fraction of the rate
+    max_senders: int = 1024  # per-sender records kept (least recently seen dropped)
+
+    def __post_init__(self):
+        if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1):
+            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1)")
+        if self.warmup < 2:
+            raise ValueError(f"sentinel: warmup must be >= 2 (a fence needs distances), got {self.warmup}")
+        if self.window < 4:
+            raise ValueError(f"sentinel: window must be >= 4, got {self.window}")
+        if self.kappa <= 0 or self.iqr_floor < 0 or self.clip <= 0:
+            raise ValueError("sentinel: kappa and clip must be > 0, iqr_floor >= 0")
+        for name in ("n_projections", "n_quantiles", "token_buckets", "max_tokens", "max_senders"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"sentinel: {name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.reject_weight <= 1:
+            raise ValueError(f"sentinel: reject_weight must be in [0, 1], got {self.reject_weight}")
+        if self.replay_window < 0:
+            raise ValueError("sentinel: replay_window must be >= 0")
+
+    def beta(self, direction: str) -> float:
+        return self.beta_act if direction == "act" else self.beta_grad
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def normalize(X: Tensor, grad: bool, clip: float) -> tuple[Tensor, Tensor]:
+    """Token vectors X (N, k) in robust units (clipped to ±clip), and log of the unit (see 1.)."""
+    n_tok, k = X.shape
+    sigma = X.norm(dim=1).median() / math.sqrt(k)
+    log_scale = torch.log(sigma.clamp_min(1e-35) * (n_tok if grad else 1.0))
+    Xn = (X / sigma.clamp_min(1e-30)).clamp(-clip, clip)
+    return Xn, log_scale
+
+
+@dataclass
+class Stats:
+    """Batch-size-independent summary of one payload (float32, on the CPU); see ``normalize``."""
+
+    scale: Tensor  # () log σ
+    mean: Tensor  # (k,)
+    absmean: Tensor  # (k,)
+    rms: Tensor  # (k,)
+    quant: Tensor  # (Q, m)
+
+    FIELDS = ("scale", "mean", "absmean", "rms", "quant")
+
+    def ema_(self, other: Stats, beta: float) -> None:
+        """self ← β·self + (1 − β)·other."""
+        for name in self.FIELDS:
+            getattr(self, name).mul_(beta).add_(getattr(other, name), alpha=1 - beta)
+
+    def clone(self) -> Stats:
+        return Stats(*(getattr(self, name).clone() for name in self.FIELDS))
+
+    def moments(self) -> Tensor:
+        return torch.cat([self.mean, self.absmean, self.rms])
+
+    def signed(self) -> Tensor:
+        """Location statistics whose signs a negation flips: channel means, projection medians."""
+        return torch.cat([self.mean, self.quant[self.quant.shape[0] // 2]])
+
+
+def projections(k: int, m: int, seed: int) -> Tensor:
+    """m unit vectors in R^k (columns), a pure function of (k, m, seed)."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.randn(k, m, generator=g, dtype=torch.float64)
+    return (P / P.norm(dim=0, keepdim=True)).float()
+
+
+def compute_stats(Xn: Tensor, log_scale: Tensor, P: Tensor, n_quantiles: int, max_tokens: int,
+                  generator: torch.Generator | None = None) -> Stats:
+    """Stats of normalised token vectors Xn (N, k); P (k, m) on Xn's device."""
+    n_tok = Xn.shape[0]
+    mean = Xn.mean(0)
+    absmean = Xn.abs().mean(0)
+    rms = Xn.square().mean(0).sqrt()
+    if n_tok > max_tokens:
+        # a fresh random subset each call: a sender cannot know which tokens are looked at
+        idx = torch.randperm(n_tok, generator=generator)[:max_tokens].to(Xn.device)
+        Xn = Xn[idx]
+    Y = Xn @ P
+    n = Y.shape[0]
+    levels = ((torch.arange(n_quantiles, dtype=torch.float64) + 0.5) / n_quantiles * n).long().clamp_(0, n - 1)
+    quant = torch.sort(Y, dim=0).values[levels.to(Y.device)]
+    out = (log_scale.clamp(-80.0, 80.0), mean, absmean, rms, quant)
+    return Stats(*(t.detach().float().cpu() for t in out))
+
+
+def _weighted_sign_flip(s: Tensor, r: Tensor) -> float:
+    """Share of Σ|s_i·r_i| on components whose signs disagree: 0 = same signs, 1 = all flipped.
+    Weighting by |s_i·r_i| keeps components that hover around zero from flipping it."""
+    w = (s * r).abs()
+    total = float(w.sum())
+    if total <= 0.0:
+        return 0.0
+    return float((w * (torch.sign(s) != torch.sign(r)).float()).sum()) / total
+
+
+def distances(s: Stats, r: Stats) -> dict[str, float]:
+    """The five payload distances of stats ``s`` from reference ``r`` (module docstring, 3.)."""
+    diff = s.moments() - r.moments()
+    return {
+        "l1": float(diff.abs().mean()),
+        "l2": float(diff.norm()) / math.sqrt(diff.numel()),
+        "sign": _weighted_sign_flip(s.signed(), r.signed()),
+        "swd": float((s.quant - r.quant).abs().mean()),
+        "scale": abs(float(s.scale - r.scale)),
+    }
+
+
+# ----------------------------------------------------------------------------- token table
+
+
+class TokenTable:
+    """EMA of the payload's mean vector per token id (hashed into ``buckets`` rows).
+
+    Activations are keyed by the token at the same position; gradients by the next token (the
+    label of the loss at that position), the last position of each row having none.
+    """
+
+    def __init__(self, buckets: int, k: int, beta: float):
+        self.buckets, self.k, self.beta = buckets, k, beta
+        self.table = torch.zeros(buckets, k)
+        self.seen = torch.zeros(buckets, dtype=torch.bool)
+        self.count = 0
+
+    @staticmethod
+    def keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor]:
+        """Token vectors (N, k) and their bucket keys (N,) for this direction."""
+        if direction == "grad":
+            x, ids = x[:, :-1], ids[:, 1:]
+        return x.reshape(-1, x.shape[-1]), ids.reshape(-1).long().remainder(buckets)
+
+    def _to(self, device: torch.device) -> None:
+        if self.table.device != device:
+            self.table, self.seen = self.table.to(device), self.seen.to(device)
+
+    def agreement(self, X: Tensor, keys: Tensor) -> float | None:
+        """Cosine between the centred token vectors and their ids' centred table rows (a
+        correlation: blind to shifts and scale, which the other distances judge); None while
+        too few of the batch's tokens have been seen."""
+        if self.count == 0 or X.shape[0] == 0:
+            return None
+        self._to(X.device)
+        known = self.seen[keys]
+        if int(known.sum()) < max(8, X.shape[0] // 4):
+            return None
+        C = X[known]
+        Pt = self.table[keys[known]]
+        C = C - C.mean(0)
+        Pt = Pt - Pt.mean(0)
+        den = (C.square().sum() * Pt.square().sum()).sqrt()
+        if float(den) <= 0.0:
+            return 0.0
+        return float((C * Pt).sum() / den)
+
+    def shift(self, X: Tensor, keys: Tensor) -> float | None:
+        """|mean residual| / RMS residual of the token vectors against their ids' rows."""
+        if self.count == 0 or X.shape[0] == 0:
+            return None
+        self._to(X.device)
+        known = self.seen[keys]
+        if int(known.sum()) < max(8, X.shape[0] // 4):
+            return None
+        R = X[known] - self.table[keys[known]]
+        den = R.square().sum(1).mean().sqrt()
+        if float(den) <= 0.0:
+            return 0.0
+        return float(R.mean(0).norm() / den)
+
+    def update(self, X: Tensor, keys: Tensor, weight: float = 1.0) -> None:
+        """Move the rows of the batch's keys toward the batch's per-key means; ``weight`` scales
+        the step (rejected tensors move it less)."""
+        if X.shape[0] == 0:
+            return
+        self._to(X.device)
+        sums = torch.zeros(self.buckets, self.k, device=X.device).index_add_(0, keys, X)
+        counts = torch.bincount(keys, minlength=self.buckets)
+        present = counts > 0
+        means = sums[present] / counts[present].unsqueeze(1).float()
+        old = self.table[present]
+        fresh = ~self.seen[present]
+        a = (1 - self.beta) * weight
+        new = torch.where(fresh.unsqueeze(1), means, (1 - a) * old + a * means)
+        if weight < 1.0:  # a rejected tensor never creates a row, it only nudges existing ones
+            new = torch.where(fresh.unsqueeze(1), old, new)
+            present = present & self.seen
+            new = new[~fresh]
+        self.table[present] = new
+        self.seen |= present
+        self.count += 1
+
+    def expected(self, ids: Tensor, direction: str, fill: Tensor) -> Tensor:
+        """E[x | token] for every position of ``ids`` (B, L) -> (B, L, k); ``fill`` where unknown."""
+        keys = ids.long().remainder(self.buckets)
+        if direction == "grad":
+            keys = torch.cat([keys[:, 1:], keys[:, -1:]], dim=1)
+        self._to(ids.device)
+        out = self.table[keys].clone()
+        unknown = ~self.seen[keys]
+        out[unknown] = fill.to(out.device)
+        if direction == "grad":
+            out[:, -1] = fill.to(out.device)
+        return out
+
+
+# ----------------------------------------------------------------------------- fences
+
+
+# Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
+# honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
+SPREAD_FLOOR = {"sign": 0.05}
+
+
+def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) -> float:
+    """Q3 + κ·max(IQR, iqr_floor·median, abs_floor) of ``values`` (linear-interpolated quartiles)."""
+    v = sorted(values)
+    if not v:
+        return float("inf")
+
+    def q(p):
+        pos = p * (len(v) - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+    q1, med, q3 = q(0.25), q(0.5), q(0.75)
+    spread = max(q3 - q1, iqr_floor * abs(med), abs_floor)
+    return q3 + kappa * spread
+
+
+
+# ----------------------------------------------------------------------------- the detector
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What ``Sentinel.judge`` decided. ``basis``: warmup | reference | replay | retransmit."""
+
+    accept: bool
+    reason: str | None
+    score: float
+    distances: dict[str, float]
+    basis: str
+
+
+@dataclass
+class SenderRecord:
+    """Per (sender, direction): its own EMA of Stats (diagnostics: how far a peer sits from the
+    stage reference, ``Sentinel.peer_report``) and its counts."""
+
+    ema: Stats
+    seen: int = 0
+    rejected: int = 0
+
+
+class _Direction:
+    def __init__(self, params: SentinelParams):
+        self.ref: Stats | None = None  # EMA of Stats over the direction's stream
+        self.table: TokenTable | None = None
+        self.windows = {name: deque(maxlen=params.window) for name in DISTANCES}
+        self.hashes: OrderedDict[bytes, object] = OrderedDict()
+        self.senders: OrderedDict[str, SenderRecord] = OrderedDict()
+        self.accepted = 0
+
+
+def payload_digest(x: Tensor) -> bytes:
+    """128-bit BLAKE2b of the tensor's bytes (dtype and shape included)."""
+    t = x.detach().contiguous().cpu()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+class Sentinel:
+    """References, fences and verdicts for both directions of one stage; ``judge`` one payload.
+
+    - **One reference per direction**: an EMA (β_act / β_grad, the paper's momentum) of the
+      Stats of the traffic of *all* senders, plus the token table. Accepted tensors update it at
+      the full rate, rejected ones at ``reject_weight`` of it. A malicious minority whose
+      tensors are rejected barely moves it (37.5% of the traffic at 0.1 weight: ~5% of the
+      pull), yet an honest distribution that jumps (a learning-rate change, a block unlocked by
+      the architecture warm-up) is followed within tens of steps instead of every honest tensor
+      being rejected against a frozen reference forever — which is what an accepted-only
+      reference did on the default model after 70 steps.
+    - **New senders**: every sender, new or old, is judged against the stage reference, i.e.
+      against what the accepted replicas have been sending. A new honest replica therefore looks
+      like the others from its first tensor and is accepted; a new malicious one is rejected
+      from its first tensor and never gets a say in the reference. (Per-sender references would
+      need a warm-up per sender, during which a newcomer either is trusted blindly or has
+      nothing to be compared with; and with R replicas each sender's EMA is R times slower
+      to follow training.) Each sender still has its own EMA, for ``peer_report``.
+    - **Warm-up**: the first ``warmup`` tensors of a direction are accepted unconditionally (the
+      paper's honest warm-up); verdicts start once the stage has accepted that many, and a
+      distance counts only when its window holds ``warmup // 2`` values.
+    - **Fences** are Tukey fences over the distances of the last ``window`` accepted tensors of
+      the direction (all senders), so they follow a distribution that drifts over training.
+    - **Replays**: an exact copy of a payload seen in the last ``replay_window`` tensors of the
+      direction is rejected as ``replay`` unless it carries the same microbatch id (a
+      retransmission); a replay with a little noise added is left to ``tok``.
+
+    ``judge`` holds an internal lock, so it is safe from several threads (calls are serialised).
+    """
+
+    def __init__(self, params: SentinelParams | None = None):
+        self.params = params or SentinelParams()
+        self._dirs = {d: _Direction(self.params) for d in DIRECTIONS}
+        self._proj: dict[tuple[int, str], Tensor] = {}
+        self._gen = torch.Generator().manual_seed(self.params.seed ^ 0x5E17)
+        self._lock = threading.Lock()
+
+    def _projections(self, k: int, device: torch.device) -> Tensor:
+        key = (k, str(device))
+        if key not in self._proj:
+            self._proj[key] = projections(k, self.params.n_projections, self.params.seed).to(device)
+        return self._proj[key]
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def forget(self, sender: str) -> None:
+        """Drop a sender's record (it left, or was banned)."""
+        with self._lock:
+            for state in self._dirs.values():
+                state.senders.pop(sender, None)
+
+    def warmed_up(self, direction: str) -> bool:
+        return self._dirs[direction].accepted >= self.params.warmup
+
+    def fences(self, direction: str) -> dict[str, float]:
+        """The current fence of each distance (inf while its window is too short)."""
+        with self._lock:
+            return self._fences(self._dirs[direction])
+
+    def peer_report(self, direction: str) -> dict[str, dict]:
+        """Per sender: tensors seen, rejected, and the distances of its own EMA to the reference."""
+        with self._lock:
+            state = self._dirs[direction]
+            return {
+                name: {"seen": rec.seen, "rejected": rec.rejected,
+                       "distances": distances(rec.ema, state.ref) if state.ref is not None else {}}
+                for name, rec in state.senders.items()
+            }
+
+    def reference_tensor(self, direction: str, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor | None:
+        """The stage's expected payload for ``ids`` (B, L): E[x | token] from the table, at the
+        reference scale (the reference channel means where a token is unknown). A stand-in for a
+        rejected gradient if the operator wants one; None before references exist."""
+        with self._lock:
+            state = self._dirs[direction]
+            if state.table is None or state.ref is None:
+                return None
+            sigma = math.exp(float(state.ref.scale)) / (ids.numel() if direction == "grad" else 1)
+            return (state.table.expected(ids, direction, state.ref.mean) * sigma).to(dtype)
+
+    # -- the verdict -------------------------------------------------------------------------
+
+    def _fences(self, state: _Direction) -> dict[str, float]:
+        p = self.params
+        need = max(2, p.warmup // 2)
+        return {
+            name: tukey_fence(w, p.kappa, p.iqr_floor, SPREAD_FLOOR.get(name, 0.0)) if len(w) >= need else math.inf
+            for name, w in state.windows.items()
+        }
+
+    def judge(self, sender: str, direction: str, x: Tensor, ids: Tensor | None = None,
+              mb: object = None, commit: bool = True) -> Judgement:
+        """Judge a well-formed (B, L, k) payload (shape/dtype/finite checks are the caller's);
+        ``ids`` (B, L) token ids enable ``tok``/``shift``; ``mb`` the microbatch id.
+        ``commit=False`` judges without learning anything from the tensor (diagnostics)."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        with self._lock, torch.no_grad():
+            return self._judge(sender, direction, x, ids, mb, commit)
+
+    def _judge(self, sender, direction, x, ids, mb, commit) -> Judgement:
+        p = self.params
+        state = self._dirs[direction]
+
+        if p.replay_window:
+            digest = payload_digest(x)
+            if digest in state.hashes:
+                if mb is not None and state.hashes[digest] == mb:
+                    return Judgement(True, None, 0.0, {}, "retransmit")
+                self._count(state, sender, None, accepted=False, commit=commit)
+                return Judgement(False, "replay", math.inf, {}, "replay")
+            if commit:
+                state.hashes[digest] = mb
+                while len(state.hashes) > p.replay_window:
+                    state.hashes.popitem(last=False)
+
+        k = x.shape[-1]
+        Xn, log_scale = normalize(x.detach().float().reshape(-1, k), direction == "grad", p.clip)
+        s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
+        d = distances(s, state.ref) if state.ref is not None else {}
+        tX = tkeys = None
+        if ids is not None:
+            tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
+            if state.table is not None and state.table.k == k:
+                for name, value in (("tok", state.table.agreement(tX, tkeys)), ("shift", state.table.shift(tX, tkeys))):
+                    if value is not None:
+                        d[name] = 1.0 - value if name == "tok" else value
+
+        basis, score, worst = "warmup", 0.0, None
+        if state.accepted >= p.warmup:
+            basis = "reference"
+            fences = self._fences(state)
+            for name, value in d.items():
+                fence = fences[name]
+                if math.isinf(fence):
+                    continue
+                ratio = value / fence if fence > 0 else (0.0 if value <= 0 else math.inf)
+                if not math.isfinite(value) or ratio > score:
+                    score, worst = (math.inf if not math.isfinite(value) else ratio), name
+        accept = score <= 1.0
+        verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis)
+        if not commit:
+            return verdict
+
+        weight = 1.0 if accept else p.reject_weight
+        beta = p.beta(direction)
+        if state.ref is None:
+            state.ref = s.clone()
+        else:
+            state.ref.ema_(s, 1 - (1 - beta) * weight)
+        if tX is not None:
+            if state.table is None or state.table.k != k:
+                state.table = TokenTable(p.token_buckets, k, p.beta_tok)
+            state.table.update(tX, tkeys, weight)
+        if accept:
+            state.accepted += 1
+            for name, value in d.items():
+                if math.isfinite(value):
+                    state.windows[name].append(value)
+        self._count(state, sender, s, accepted=accept, commit=True)
+        return verdict
+
+    def _count(self, state: _Direction, sender: str, s: Stats | None, accepted: bool, commit: bool) -> None:
+        if not commit:
+            return
+        rec = state.senders.get(sender)
+        if rec is None:
+            if s is None:
+                return
+            rec = state.senders[sender] = SenderRecord(ema=s.clone())
+            while len(state.senders) > self.params.max_senders:
+                state.senders.popitem(last=False)
+        else:
+            state.senders.move_to_end(sender)
+            if s is not None:
+                rec.ema.ema_(s, 0.9)
+        rec.seen += 1
+        rec.rejected += not accepted
