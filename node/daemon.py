@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -265,6 +266,7 @@ class Node:
         self._ckpt_pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._stop = None
         self._announce_now = None
+        self._closing = False
 
     # ---- synchronous part (main thread: hivemind's averager forks)
 
@@ -438,7 +440,7 @@ class Node:
 
     async def _steps_watch(self) -> None:
         rt = self.runtime
-        while self.cfg.steps:
+        while self.cfg.steps and not self._closing:
             if rt.version >= self.cfg.steps and (not rt.is_head or rt.inflight == 0):
                 log.info("reached %d steps: leaving", rt.version)
                 self._stop.set()
@@ -473,7 +475,7 @@ class Node:
 
     async def _announce_loop(self, PeerRecord) -> None:
         last_manifest = 0.0
-        while True:
+        while not self._closing:
             await self._announce(PeerRecord)
             await self._refresh_peers()
             if time.monotonic() - last_manifest > 4 * self.cfg.announce_every:
@@ -491,9 +493,14 @@ class Node:
     async def _shutdown(self, bg) -> int:
         """Drain, checkpoint, announce offline, stop serving. Bounded by --drain-timeout (+ a few s)."""
         from node.membership import PeerRecord
+        from node.runtime import cancel_all
 
         rt, cfg = self.runtime, self.cfg
         t0 = time.monotonic()
+        # whatever happens below, this process is gone within the bound
+        watchdog = threading.Timer(cfg.drain_timeout + 30.0, self._force_exit)
+        watchdog.daemon = True
+        watchdog.start()
         self._set_server_state("draining")
         if rt.worker is not None:
             rt.set_state("draining")
@@ -503,9 +510,8 @@ class Node:
         log.info("drain %s in %.1f s", "complete" if drained else "timed out", time.monotonic() - t0)
         if self.dht.is_alive():
             await self._announce(PeerRecord, state="offline", ttl=max(2 * cfg.announce_every, 5.0), timeout=3.0)
-        for t in bg:
-            t.cancel()
-        await asyncio.gather(*bg, return_exceptions=True)
+        self._closing = True
+        await cancel_all(bg)
         if cfg.checkpoint_dir and rt.worker is not None and rt.version > 0:
             try:
                 tensors, meta = await asyncio.wait_for(rt.worker.submit("ctl", rt.checkpoint_state), 30)
@@ -525,7 +531,18 @@ class Node:
         except Exception as e:  # noqa: BLE001
             log.warning("transport close: %r", e)
         log.info("left the swarm after %.1f s of shutdown", time.monotonic() - t0)
+        watchdog.cancel()
         return 0
+
+    def _force_exit(self) -> None:
+        """Watchdog (a thread): the orderly shutdown is stuck; stop the DHT and p2pd, and exit."""
+        from node.membership import stop_dht
+
+        log.error("shutdown did not finish within %.0f s: forcing exit", self.cfg.drain_timeout + 30.0)
+        try:
+            stop_dht(self.dht, timeout=3.0)
+        finally:
+            fast_exit(1)
 
 
 def make_verifier(manifest, index: int):

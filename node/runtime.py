@@ -306,9 +306,7 @@ class StageRuntime:
     async def stop(self) -> None:
         """Cancel background work and stop the worker (call after ``drain``)."""
         self._stopping = True
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(list(self._tasks))
         if self.worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
@@ -915,6 +913,21 @@ class StageRuntime:
             if beat is not None:
                 beat()
             await asyncio.sleep(period)
+
+
+async def cancel_all(tasks: list, timeout: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait for them, at most ``timeout`` s. (Python 3.11's ``wait_for`` can
+    swallow a cancellation that races with its result, so loops also check a stop flag, and
+    nothing here waits unboundedly on a task that ignored its cancel.)"""
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            log.warning("task %r did not stop within %.0f s", t.get_coro(), timeout)
+        for t in done:
+            if not t.cancelled():
+                t.exception()  # retrieved, so asyncio does not log it again
 
 
 def max_batch_for(manifest: Manifest) -> int:
