@@ -15,11 +15,13 @@ Pipeline axis (S stages, one replica each, equal tokens and equal optimizer step
   forward's weights, ``lookahead`` forwards and recomputes on Ŵ = W − τ̂·η·m̂.
 - ``lookahead_gap_rel`` = val(async_lookahead)/val(gpipe) − 1 (seed means).
 
-Utilisation (busy / wall per stage): (1) a discrete-event simulation of both schedules driven by
-the per-stage forward and backward(+recompute) times measured in the async runs, zero-latency
-links; (2) ``utilisation.runtime``: a real local swarm (node.demo.LocalSwarm: bootstrap + one
-``swarm-node run`` per stage on loopback) of the manifest's own model in lookahead and gpipe
-mode, busy = growth of ``swarm_node_compute_seconds_sum`` over ``--runtime-seconds``.
+Utilisation (busy / wall per stage): ``utilisation`` is measured on a real local swarm
+(node.demo.LocalSwarm: bootstrap + one ``swarm-node run`` per stage on loopback) of the
+manifest's own model in lookahead and gpipe mode (and lookahead with ``--runtime-inflight``
+microbatches in flight), busy = growth of ``swarm_node_compute_busy_seconds_total`` over
+``--runtime-seconds``; ``utilisation.simulated`` is a discrete-event simulation of both
+schedules driven by the per-stage forward and backward(+recompute) times measured in the async
+loss runs, zero-latency links (the only utilisation with ``--runtime-seconds 0``).
 
 Data axis (R replicas of the whole model, equal tokens):
 - ``full_every_step``: all parameters averaged after every step;
@@ -97,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runtime-seconds", type=float, default=30.0,
                    help="measure utilisation on a real local swarm of the manifest's own model for this many "
                    "seconds per mode (0: skip)")
+    p.add_argument("--runtime-inflight", type=int, default=8,
+                   help="also measure the real swarm's async utilisation with this max_inflight (0: skip)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--only", choices=("pipeline", "averaging"), default=None)
     p.add_argument("--ablation", action="store_true",
@@ -304,10 +308,21 @@ def manifest_toml(m) -> str:
     return "\n".join(lines)
 
 
+def _busy_seconds(metrics: dict) -> float:
+    """The compute worker's busy seconds (``swarm_node_compute_busy_seconds_total``; older nodes:
+    the sum of the per-microbatch compute-time histogram)."""
+    from node.demo import metric_sum
+
+    key = "swarm_node_compute_busy_seconds_total"
+    if any(k.split("{")[0] == key for k in metrics):
+        return metric_sum(metrics, key)
+    return metric_sum(metrics, "swarm_node_compute_seconds_sum")
+
+
 def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5) -> dict:
     """busy/wall per stage of a real local swarm (bootstrap + one ``swarm-node run`` per stage on
-    loopback): busy = growth of ``swarm_node_compute_seconds_sum`` (the compute worker's time in
-    forward / backward / step) over a window of ``seconds`` after ``warmup_steps`` tail steps."""
+    loopback): busy = growth of the compute worker's busy seconds (forward / backward / step) over
+    a window of ``seconds`` after ``warmup_steps`` tail steps."""
     import tempfile
 
     from node.demo import LocalSwarm, metric_sum
@@ -329,7 +344,7 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5) -> 
 
             def sample():
                 mets = [sw.metrics(n) for n in nodes]
-                return (time.monotonic(), [metric_sum(x, "swarm_node_compute_seconds_sum") for x in mets],
+                return (time.monotonic(), [_busy_seconds(x) for x in mets],
                         metric_sum(mets[-1], "swarm_node_steps_total"))
 
             t0, busy0, steps0 = sample()
@@ -475,33 +490,41 @@ def main(argv=None) -> int:
         n_micro = 50 * flush * S
         ua = simulate_schedule(fwd, bwd, n_micro, "async", inflight, flush)
         ug = simulate_schedule(fwd, bwd, n_micro, "gpipe", inflight, flush)
-        out["utilisation"] = {
+        simulated = {
             "async": round(statistics.fmean(ua["per_stage"]), 4),
             "gpipe": round(statistics.fmean(ug["per_stage"]), 4),
             "async_per_stage": ua["per_stage"],
             "gpipe_per_stage": ug["per_stage"],
-            "async_min_stage": min(ua["per_stage"]),
-            "source": "discrete-event simulation from measured per-stage compute times (zero-latency links), "
-            "not the networked runtime",
+            "source": "discrete-event simulation of the bench model's stages from their measured forward and "
+            "backward(+recompute) times, zero-latency links",
             "stage_fwd_s": [round(x, 5) for x in fwd],
             "stage_bwd_s": [round(x, 5) for x in bwd],
             "microbatches": n_micro,
         }
         if args.runtime_seconds > 0:
             rm = load_manifest(args.manifest)  # the manifest's own model: the default run, not the small one
-            rt = {mode: runtime_utilisation(rm, mode, args.runtime_seconds) for mode in ("lookahead", "gpipe")}
-            out["utilisation"]["runtime"] = {
-                "async": rt["lookahead"]["mean"], "gpipe": rt["gpipe"]["mean"],
-                "async_per_stage": rt["lookahead"]["per_stage"], "gpipe_per_stage": rt["gpipe"]["per_stage"],
-                "tail_steps_per_s": {"async": rt["lookahead"]["tail_steps_per_s"],
-                                     "gpipe": rt["gpipe"]["tail_steps_per_s"]},
-                "window_s": args.runtime_seconds,
-                "model": f"{args.manifest} manifest as shipped (d_model {rm.model.d_model}, {rm.model.n_layers} layers, "
-                f"seq_len {rm.model.seq_len}, batch {rm.data.batch_size}), sentinel off",
-                "source": "real local swarm (one swarm-node run per stage, loopback, 1 torch thread each): "
-                "compute-worker seconds / wall seconds; on a shared CPU, time waiting for a core inside a "
-                "compute call counts as busy",
+            rt = {
+                "async": runtime_utilisation(rm, "lookahead", args.runtime_seconds),
+                "gpipe": runtime_utilisation(rm, "gpipe", args.runtime_seconds),
             }
+            if args.runtime_inflight and args.runtime_inflight != rm.train.max_inflight:
+                rt[f"async_max_inflight_{args.runtime_inflight}"] = runtime_utilisation(
+                    rm.replace(train={"max_inflight": args.runtime_inflight}), "lookahead", args.runtime_seconds)
+            out["utilisation"] = {
+                **{k: v["mean"] for k, v in rt.items()},
+                **{f"{k}_per_stage": v["per_stage"] for k, v in rt.items()},
+                "tail_steps_per_s": {k: v["tail_steps_per_s"] for k, v in rt.items()},
+                "source": "real local swarm (node.demo.LocalSwarm: bootstrap + one swarm-node run per stage, "
+                "loopback, 1 torch thread each): compute-worker busy seconds / wall seconds over "
+                f"{args.runtime_seconds:g} s; on a shared CPU, time a compute call waits for a core counts as busy",
+                "model": f"{args.manifest} manifest as shipped (d_model {rm.model.d_model}, "
+                f"{rm.model.n_layers} layers, seq_len {rm.model.seq_len}, batch {rm.data.batch_size}, "
+                f"max_inflight {rm.train.max_inflight}, gpipe_flush_every {rm.asyncmesh.gpipe_flush_every}), "
+                "SENTINEL off",
+                "simulated": simulated,
+            }
+        else:
+            out["utilisation"] = simulated
     if args.only != "pipeline":
         variants = ["full", "sparse", "sparse_corrected"]
         if args.ablation:

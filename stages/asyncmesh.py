@@ -89,6 +89,11 @@ def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> t
     custom = getattr(optimizer, "update_direction", None)
     if callable(custom):
         return custom(param)
+    if not isinstance(optimizer, _KNOWN):
+        raise NotImplementedError(
+            f"look-ahead does not know the update direction of {type(optimizer).__name__}; give it an "
+            "update_direction(param) method or run with asyncmesh.mode = 'none'"
+        )
     state = optimizer.state.get(param)
     if not state:
         return None
@@ -108,13 +113,11 @@ def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> t
         if decoupled and group.get("weight_decay", 0.0):
             direction = direction + group["weight_decay"] * param.detach()
         return direction
-    if isinstance(optimizer, torch.optim.SGD):
-        buf = state.get("momentum_buffer")
-        return None if buf is None else buf.clone()
-    raise NotImplementedError(
-        f"look-ahead does not know the update direction of {type(optimizer).__name__}; give it an "
-        "update_direction(param) method or run with asyncmesh.mode = 'none'"
-    )
+    buf = state.get("momentum_buffer")  # SGD
+    return None if buf is None else buf.clone()
+
+
+_KNOWN = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.SGD)
 
 
 def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:

@@ -120,9 +120,7 @@ def test_custom_update_direction_hook_and_unknown_optimizer():
     opt = WithHook(lin.parameters(), lr=0.5)
     torch.testing.assert_close(lookahead_params(lin, opt, 3.0)["weight"], lin.weight - 3.0 * 0.5 * 2.0)
 
-    adagrad = torch.optim.Adagrad(lin.parameters())
-    lin.weight.grad = torch.ones(2, 2)
-    adagrad.step()
+    adagrad = torch.optim.Adagrad(lin.parameters())  # fresh: refused at start-up, before any state
     with pytest.raises(NotImplementedError, match="update_direction"):
         LookaheadForward(lin, adagrad, mode="lookahead")
     LookaheadForward(lin, adagrad, mode="none")  # plain async needs no direction
