@@ -22,9 +22,17 @@ steps with no coordination. After a restart from a checkpoint at step ``s`` buil
 ``step=s``: groups due by then are taken as already unlocked (their trained weights come from the
 checkpoint and are not touched).
 
-Note on the model's post-branch weightless RMSNorm: ``rmsnorm(0) = 0`` exactly, so unlocking is
-function-preserving; but any non-zero branch output is renormalised to unit RMS, so a branch
-reaches full strength after its first update rather than growing from zero gradually.
+Ramp (our addition, ``ramp_steps > 0``). The model normalises every branch output
+(``h + rmsnorm(branch)``, papers §1). ``rmsnorm(0) = 0`` exactly, so unlocking is
+function-preserving; but any non-zero branch output is renormalised to unit RMS, so without more
+care a branch jumps to full strength at its first update after unlock. Measured on the benchmark
+model (scripts/bench_optim.py): a loss spike of about one nat exactly one step after every unlock.
+With a ramp the unlocked block's output is blended, ``h_out = h + s·(block(h) − h)``, with
+``s = min(1, (t − t_unlock + 1)/ramp_steps)``: still exactly the identity at the unlock step
+(the branch is zero), still a gradient for the writers (scaled by ``s``, which Adam-type and
+Muon steps normalise away), and the block's influence grows linearly. ``h + s·Δ`` with ``Δ`` in
+span(U) stays in the subspace, so the boundary codec stays exact. The blend is a forward hook on
+the block, removed when ``s`` reaches 1 (a ``gate`` scalar in ``model.Block`` would be simpler).
 """
 
 from __future__ import annotations
@@ -80,13 +88,22 @@ class ArchWarmup:
     ``step``; call ``apply(step, optimizer)`` before each optimizer step's forward: it unlocks
     the groups that are due and returns the newly unlocked global layers (sorted). Pass the
     optimizer so any state it might hold for those parameters is dropped (they start fresh).
-    With ``manifest.warmup.enabled = false`` nothing is ever locked.
+    With ``manifest.warmup.enabled = false`` nothing is ever locked. ``ramp_steps > 0`` blends
+    each unlocked block in over that many steps (module docstring; ``gates`` holds the current
+    factors). In an asynchronous pipeline a recomputed backward sees the gate of the step it
+    runs at, which may be one ramp increment past its forward's; use ``ramp_steps = 0`` where
+    that matters.
     """
 
-    def __init__(self, manifest, module: nn.Module, step: int = 0):
+    def __init__(self, manifest, module: nn.Module, step: int = 0, ramp_steps: int = 0):
+        if ramp_steps < 0:
+            raise ValueError(f"ArchWarmup: ramp_steps must be >= 0, got {ramp_steps}")
         self.manifest = manifest
         self.module = module
+        self.ramp_steps = ramp_steps
         self.blocks = warmup_blocks(module)
+        self.gates: dict[int, float] = {}  # layer -> blend factor s < 1 while ramping
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         w = manifest.warmup
         self.unlock_at: dict[int, int] = {}
         if w.enabled:
@@ -101,6 +118,7 @@ class ArchWarmup:
             if at > step:
                 self._lock(self.blocks[layer])
                 self.locked.add(layer)
+        self._update_gates(step)  # resuming inside a ramp window
 
     @staticmethod
     def _lock(block: nn.Module) -> None:
@@ -131,7 +149,35 @@ class ArchWarmup:
         for layer in self.locked:
             for p in self.blocks[layer].parameters():
                 p.grad = None
+        self._update_gates(step)
         return due
+
+    def _update_gates(self, step: int) -> None:
+        if not self.ramp_steps:
+            return
+        for layer, at in self.unlock_at.items():
+            if layer in self.locked or at <= 0:
+                continue
+            s = min(1.0, (step - at + 1) / self.ramp_steps)
+            if s >= 1.0:
+                self.gates.pop(layer, None)
+                handle = self._hooks.pop(layer, None)
+                if handle is not None:
+                    handle.remove()
+                continue
+            self.gates[layer] = s
+            if layer not in self._hooks:
+                self._hooks[layer] = self.blocks[layer].register_forward_hook(self._blend(layer), with_kwargs=True)
+
+    def _blend(self, layer: int):
+        def hook(module, args, kwargs, output):
+            s = self.gates.get(layer)
+            if s is None:
+                return output
+            h = args[0] if args else kwargs["h"]
+            return h + s * (output - h)
+
+        return hook
 
     @torch.no_grad()
     def _unlock(self, layer: int, block: nn.Module) -> None:

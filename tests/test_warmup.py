@@ -159,3 +159,39 @@ def test_default_schedule():
     assert m.warmup.groups == ((1,),)
     with pytest.raises(ValueError):
         default_warmup_schedule(0, 1, 1)
+
+
+def test_ramp_blends_the_unlocked_block_in_linearly():
+    m = _manifest("adamw")
+    model = build_model(m)
+    arch = ArchWarmup(m, model, ramp_steps=4)
+    opt = build_optimizer(m, model)
+    for step in range(3):
+        _step(model, opt, arch, step)
+    ids = _ids(100)
+    with torch.no_grad():
+        before = model(ids)
+    assert arch.apply(3, opt) == [1] and arch.gates == {1: 0.25}
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)  # still exactly the identity at the unlock step
+    opt.zero_grad(set_to_none=True)
+    lm_loss(model(ids), ids).backward()
+    assert all(proj.weight.grad.abs().sum() > 0 for proj in model.layers[1].output_projections())
+    opt.step()
+    # the block's output is h + s·(block(h) − h)
+    block = model.layers[1]
+    h = torch.randn(2, 16, m.model.d_model)
+    rope = rope_tables(16, m.model.head_dim, m.model.rope_theta)
+    with torch.no_grad():
+        gated = block(h, rope, model.codec.U)
+        arch.gates[1] = 1.0
+        full = block(h, rope, model.codec.U)
+        arch.gates[1] = 0.25
+    assert torch.allclose(gated, h + 0.25 * (full - h), atol=1e-6)
+    arch.apply(4, opt)
+    assert arch.gates[1] == 0.5
+    arch.apply(6, opt)  # s reaches 1: hook removed, plain block
+    assert 1 not in arch.gates and not block._forward_hooks
+    # resuming inside a ramp window re-creates the gate
+    other = ArchWarmup(m, build_model(m), step=4, ramp_steps=4)
+    assert other.gates == {1: 0.5} and other.locked == {2}
