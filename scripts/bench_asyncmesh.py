@@ -17,8 +17,8 @@ Pipeline axis (S stages, one replica each, equal tokens and equal optimizer step
 
 Utilisation (busy / wall per stage): ``utilisation`` is measured on a real local swarm
 (node.demo.LocalSwarm: bootstrap + one ``swarm-node run`` per stage on loopback) of the
-manifest's own model in lookahead and gpipe mode (and lookahead with ``--runtime-inflight``
-microbatches in flight), busy = growth of ``swarm_node_compute_busy_seconds_total`` over
+manifest's own model in lookahead and gpipe mode (``--runtime-more-inflight``: also lookahead
+with ``--more-inflight`` microbatches in flight), busy = growth of ``swarm_node_compute_busy_seconds_total`` over
 ``--runtime-seconds``; ``utilisation.simulated`` is a discrete-event simulation of both
 schedules driven by the per-stage forward and backward(+recompute) times measured in the async
 loss runs, zero-latency links (the only utilisation with ``--runtime-seconds 0``).
@@ -96,11 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=3, help="pipeline runs per mode (seeds seed, seed+1, ...), averaged")
-    p.add_argument("--runtime-seconds", type=float, default=30.0,
+    p.add_argument("--runtime-seconds", type=float, default=20.0,
                    help="measure utilisation on a real local swarm of the manifest's own model for this many "
                    "seconds per mode (0: skip)")
-    p.add_argument("--runtime-inflight", type=int, default=8,
-                   help="also measure the real swarm's async utilisation with this max_inflight (0: skip)")
+    p.add_argument("--more-inflight", type=int, default=8,
+                   help="also report async utilisation with this many microbatches in flight (0: skip)")
+    p.add_argument("--runtime-more-inflight", action="store_true",
+                   help="measure --more-inflight on the real swarm too (another swarm run), not only simulated")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--only", choices=("pipeline", "averaging"), default=None)
     p.add_argument("--ablation", action="store_true",
@@ -500,16 +502,21 @@ def main(argv=None) -> int:
             "stage_fwd_s": [round(x, 5) for x in fwd],
             "stage_bwd_s": [round(x, 5) for x in bwd],
             "microbatches": n_micro,
+            "max_inflight": inflight,
         }
+        for k in sorted({args.more_inflight} - {0, inflight}):
+            u = simulate_schedule(fwd, bwd, n_micro, "async", k, flush)
+            simulated[f"async_max_inflight_{k}"] = round(statistics.fmean(u["per_stage"]), 4)
+            simulated[f"async_max_inflight_{k}_per_stage"] = u["per_stage"]
         if args.runtime_seconds > 0:
             rm = load_manifest(args.manifest)  # the manifest's own model: the default run, not the small one
             rt = {
                 "async": runtime_utilisation(rm, "lookahead", args.runtime_seconds),
                 "gpipe": runtime_utilisation(rm, "gpipe", args.runtime_seconds),
             }
-            if args.runtime_inflight and args.runtime_inflight != rm.train.max_inflight:
-                rt[f"async_max_inflight_{args.runtime_inflight}"] = runtime_utilisation(
-                    rm.replace(train={"max_inflight": args.runtime_inflight}), "lookahead", args.runtime_seconds)
+            if args.runtime_more_inflight and args.more_inflight not in (0, rm.train.max_inflight):
+                rt[f"async_max_inflight_{args.more_inflight}"] = runtime_utilisation(
+                    rm.replace(train={"max_inflight": args.more_inflight}), "lookahead", args.runtime_seconds)
             out["utilisation"] = {
                 **{k: v["mean"] for k, v in rt.items()},
                 **{f"{k}_per_stage": v["per_stage"] for k, v in rt.items()},
