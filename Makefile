@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+DEMO_STEPS ?= 150
 
 .PHONY: setup demo test lint bench clean
 
@@ -24,8 +25,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
+# a bootstrap peer + 3 stage processes on 127.0.0.1 train runs/default.toml on the bundled corpus;
+# stops by itself after DEMO_STEPS tail steps (or Ctrl-C); `make demo DEMO_STEPS=0` runs until stopped
 demo: setup
-	$(VENV)/bin/swarm-node demo
+	$(VENV)/bin/swarm-node demo --steps $(DEMO_STEPS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

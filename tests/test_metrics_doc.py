@@ -10,7 +10,12 @@ from .conftest import ROOT
 
 
 def _exported_families() -> set[str]:
-    text = NodeMetrics(stage=0, run="doc").render().decode()
+    m = NodeMetrics(stage=0, run="doc")
+    # families read from live sources at scrape time appear once those are attached (as the daemon does)
+    m.attach_compute_busy(lambda: 1.5)
+    m.attach_averaging(lambda: {"rounds_applied": 1, "bytes_sent": 10, "bytes_received": 10})
+    m.attach_wire_stats(lambda: {("/swarm-node/fwd/1", "out"): 100})
+    text = m.render().decode()
     fams = set()
     for m in re.finditer(r"^# TYPE (\S+) (\S+)$", text, re.M):
         name, kind = m.groups()
