@@ -20,11 +20,11 @@ sign_flip  flip the sign of a random ``fraction`` of the elements (default 0.5)
 delayed    replay the tensor sent ``delay`` calls earlier (default 100); ``noise`` > 0 adds that
            much relative noise so the replay is not bit-identical
 bias       + ``scale`` × RMS added to every element (default 0.5)
-invisible  + noise of relative RMS ``rel`` (default 0.3): the tensor's norm moves by only
-           √(1+rel²)−1 ≈ 4% and every channel mean and the value range look unchanged to the eye,
-           but ~9% of the payload's energy is noise unrelated to the tokens. (Noise far below
-           the honest batch-to-batch variation is harmless and undetectable by any statistic;
-           this is the smallest level we claim to detect, see docs/SENTINEL.md.)
+invisible  noise invisible to norm checks: + noise of relative RMS ``rel`` (default 1.0), then
+           every token vector rescaled to its honest norm, so token norms, the RMS and the value
+           range are exactly the honest ones while rel²/(1+rel²) of each token's energy (half,
+           at the default) is noise unrelated to the tokens. Less noise is also less harm; the
+           benchmark reports detection at rel 0.1 / 0.3 / 0.5 too.
 adaptive   mimics the reference: sends the honest token vectors *permuted across positions*
            (mode "permute", default), so every permutation-invariant statistic — channel means,
            RMS, the full distribution along every projection — is exactly the honest one while
@@ -179,12 +179,18 @@ class Bias(Attack):
 class Invisible(Attack):
     name = "invisible"
 
-    def __init__(self, rel: float = 0.3, **kw):
+    def __init__(self, rel: float = 1.0, **kw):
         super().__init__(**kw)
+        if rel <= 0:
+            raise ValueError(f"invisible: rel must be positive, got {rel}")
         self.rel = rel
 
     def poison(self, x, step):
-        return x + self._randn(x) * float(_rms(x)) * self.rel
+        xf = x.float()
+        noisy = xf + self._randn(xf) * float(_rms(xf)) * self.rel
+        # rescale every token vector to its honest norm: norms, RMS and value range are unchanged
+        tok = xf.norm(dim=-1, keepdim=True)
+        return noisy * (tok / noisy.norm(dim=-1, keepdim=True).clamp_min(1e-30))
 
 
 class Adaptive(Attack):

@@ -78,7 +78,9 @@ class SentinelParams:
     max_tokens: int = 8192  # tokens sorted for quantiles (a fresh random subset beyond this)
     replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks
     reject_weight: float = 0.1  # rejected tensors move the references at this fraction of the rate
+    shift_reach: float = 10.0  # while most traffic is rejected, a rejected tensor pulls up to this many fences
     max_senders: int = 1024  # per-sender records kept (least recently seen dropped)
+    min_window: int = 8  # a distance counts once its window holds this many values
 
     def __post_init__(self):
         if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1):
@@ -87,9 +89,9 @@ class SentinelParams:
             raise ValueError(f"sentinel: warmup must be >= 2 (a fence needs distances), got {self.warmup}")
         if self.window < 4:
             raise ValueError(f"sentinel: window must be >= 4, got {self.window}")
-        if self.kappa <= 0 or self.iqr_floor < 0 or self.clip <= 0:
-            raise ValueError("sentinel: kappa and clip must be > 0, iqr_floor >= 0")
-        for name in ("n_projections", "n_quantiles", "token_buckets", "max_tokens", "max_senders"):
+        if self.kappa <= 0 or self.iqr_floor < 0 or self.clip <= 0 or self.shift_reach < 1:
+            raise ValueError("sentinel: kappa and clip must be > 0, iqr_floor >= 0, shift_reach >= 1")
+        for name in ("n_projections", "n_quantiles", "token_buckets", "max_tokens", "max_senders", "min_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sentinel: {name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.reject_weight <= 1:
@@ -290,7 +292,8 @@ class TokenTable:
 
 # Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
 # honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
-SPREAD_FLOOR = {"sign": 0.05}
+# Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
+SPREAD_FLOOR = {"sign": 0.05, "scale": 0.01}
 
 
 def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) -> float:
@@ -342,6 +345,7 @@ class _Direction:
         self.windows = {name: deque(maxlen=params.window) for name in DISTANCES}
         self.hashes: OrderedDict[bytes, object] = OrderedDict()
         self.senders: OrderedDict[str, SenderRecord] = OrderedDict()
+        self.recent: deque = deque(maxlen=params.window)  # rejected? for the last judged tensors
         self.accepted = 0
 
 
@@ -359,12 +363,15 @@ class Sentinel:
 
     - **One reference per direction**: an EMA (β_act / β_grad, the paper's momentum) of the
       Stats of the traffic of *all* senders, plus the token table. Accepted tensors update it at
-      the full rate, rejected ones at ``reject_weight`` of it. A malicious minority whose
-      tensors are rejected barely moves it (37.5% of the traffic at 0.1 weight: ~5% of the
-      pull), yet an honest distribution that jumps (a learning-rate change, a block unlocked by
-      the architecture warm-up) is followed within tens of steps instead of every honest tensor
-      being rejected against a frozen reference forever — which is what an accepted-only
-      reference did on the default model after 70 steps.
+      the full rate; a rejected one at ``reject_weight`` of it and only as far as the fence
+      (its deviation divided by its score), so a malicious minority whose tensors are rejected
+      barely moves it (37.5% of the traffic at 0.1 weight, each pull at most one fence). But
+      when more than half of the last ``window`` tensors were rejected — more than a minority
+      of attackers can send — the honest distribution itself has moved (a learning-rate
+      change, a block unlocked by the architecture warm-up): rejected tensors then pull at the
+      full rate, up to ``shift_reach`` fences each, and the reference catches up within tens of
+      tensors. An accepted-only reference instead locked every honest tensor out for good on
+      the default model after 70 steps.
     - **New senders**: every sender, new or old, is judged against the stage reference, i.e.
       against what the accepted replicas have been sending. A new honest replica therefore looks
       like the others from its first tensor and is accepted; a new malicious one is rejected
@@ -374,7 +381,8 @@ class Sentinel:
       to follow training.) Each sender still has its own EMA, for ``peer_report``.
     - **Warm-up**: the first ``warmup`` tensors of a direction are accepted unconditionally (the
       paper's honest warm-up); verdicts start once the stage has accepted that many, and a
-      distance counts only when its window holds ``warmup // 2`` values.
+      distance counts only when its window holds ``max(min_window, warmup // 2)`` values (a
+      quartile of five numbers is no fence).
     - **Fences** are Tukey fences over the distances of the last ``window`` accepted tensors of
       the direction (all senders), so they follow a distribution that drifts over training.
     - **Replays**: an exact copy of a payload seen in the last ``replay_window`` tensors of the
@@ -438,7 +446,7 @@ class Sentinel:
 
     def _fences(self, state: _Direction) -> dict[str, float]:
         p = self.params
-        need = max(2, p.warmup // 2)
+        need = max(p.min_window, p.warmup // 2)
         return {
             name: tukey_fence(w, p.kappa, p.iqr_floor, SPREAD_FLOOR.get(name, 0.0)) if len(w) >= need else math.inf
             for name, w in state.windows.items()
@@ -498,16 +506,32 @@ class Sentinel:
         if not commit:
             return verdict
 
-        weight = 1.0 if accept else p.reject_weight
+        # Learning. Normally a rejected tensor pulls the reference at reject_weight of the rate and
+        # only as if it sat on the fence, (s − r)/score, so garbage (zeros: log scale −80) cannot
+        # drag it. When most of the recent traffic is rejected — more than any minority of
+        # attackers can send — the stage's honest distribution itself has moved (a learning-rate
+        # step, a block unlocked): then rejected tensors pull at the full rate and up to
+        # ``shift_reach`` fences, so the reference catches up instead of locking everyone out.
+        shifted = (basis == "reference" and len(state.recent) >= p.min_window
+                   and sum(state.recent) > 0.5 * len(state.recent))
+        weight = 1.0 if accept or shifted else p.reject_weight
+        reach = p.shift_reach if shifted else 1.0
         beta = p.beta(direction)
         if state.ref is None:
             state.ref = s.clone()
-        else:
-            state.ref.ema_(s, 1 - (1 - beta) * weight)
+        elif accept:
+            state.ref.ema_(s, beta)
+        elif math.isfinite(score) and weight > 0:
+            shrink = min(1.0, reach / score)
+            pull = Stats(*(getattr(state.ref, f) + (getattr(s, f) - getattr(state.ref, f)) * shrink
+                           for f in Stats.FIELDS))
+            state.ref.ema_(pull, 1 - (1 - beta) * weight)
         if tX is not None:
             if state.table is None or state.table.k != k:
                 state.table = TokenTable(p.token_buckets, k, p.beta_tok)
             state.table.update(tX, tkeys, weight)
+        if basis == "reference":
+            state.recent.append(not accept)
         if accept:
             state.accepted += 1
             for name, value in d.items():
