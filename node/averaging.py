@@ -173,10 +173,8 @@ class ReplicaAverager:
         """Start hivemind's averager process (blocks until it is ready; main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("ReplicaAverager.start() must run on the main thread (hivemind forks and sets signals)")
-        from hivemind.averaging import DecentralizedAverager
-
         previous = signal.getsignal(signal.SIGINT)
-        averager = DecentralizedAverager([self._buffer], self.dht, start=False, **self._averager_kwargs)
+        averager = _averager_class()([self._buffer], self.dht, start=False, **self._averager_kwargs)
         try:
             averager.run_in_background(await_ready=True, timeout=max(30.0, self.timeout))
         except BaseException:
@@ -345,3 +343,18 @@ class ReplicaAverager:
         with averager.get_tensors() as (buf,):
             averaged = buf.clone()
         return averaged, rounds, masks
+
+
+def _averager_class():
+    """hivemind's averager whose child process dies with the node (even after ``kill -9`` of the
+    node alone), like the DHT process in node/membership.py."""
+    from hivemind.averaging import DecentralizedAverager
+
+    from node.membership import _set_parent_death_signal
+
+    class _Averager(DecentralizedAverager):
+        def run(self):
+            _set_parent_death_signal(signal.SIGKILL)
+            super().run()
+
+    return _Averager
