@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class SentinelParams:
     replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks
     reject_weight: float = 0.1  # rejected tensors move the references at this fraction of the rate
     shift_reach: float = 10.0  # while most traffic is rejected, a rejected tensor pulls up to this many fences
+    sender_window: int = 16  # a sender's own recent accepted distances (its fence)
+    sender_min: int = 6  # ... counted once it holds this many
     max_senders: int = 1024  # per-sender records kept (least recently seen dropped)
     min_window: int = 8  # a distance counts once its window holds this many values
 
@@ -330,23 +333,34 @@ class Judgement:
 
 @dataclass
 class SenderRecord:
-    """Per (sender, direction): its own EMA of Stats (diagnostics: how far a peer sits from the
-    stage reference, ``Sentinel.peer_report``) and its counts."""
+    """Per (sender, direction): the EMA of the Stats of what it sends (the paper's per-sender
+    momentum), the windows of its accepted distances, and counts."""
 
     ema: Stats
+    windows: dict
+    last: int = 0  # index in the direction's stream of its latest tensor
     seen: int = 0
     rejected: int = 0
 
 
+def median_stats(items: list[Stats]) -> Stats:
+    """Coordinate-wise median (the lower middle for an even count) of several Stats."""
+    if len(items) == 1:
+        return items[0].clone()
+    return Stats(*(torch.stack([getattr(x, f) for x in items]).median(dim=0).values for f in Stats.FIELDS))
+
+
 class _Direction:
     def __init__(self, params: SentinelParams):
-        self.ref: Stats | None = None  # EMA of Stats over the direction's stream
         self.table: TokenTable | None = None
-        self.windows = {name: deque(maxlen=params.window) for name in DISTANCES}
+        self.windows = {name: deque(maxlen=params.window) for name in DISTANCES}  # all senders
         self.hashes: OrderedDict[bytes, object] = OrderedDict()
         self.senders: OrderedDict[str, SenderRecord] = OrderedDict()
         self.recent: deque = deque(maxlen=params.window)  # rejected? for the last judged tensors
         self.accepted = 0
+        self.seen = 0  # tensors judged (the direction's clock)
+        self.ref: Stats | None = None  # cached reference
+        self.ref_version = -1
 
 
 def payload_digest(x: Tensor) -> bytes:
@@ -405,29 +419,64 @@ class Sentinel:
             self._proj[key] = projections(k, self.params.n_projections, self.params.seed).to(device)
         return self._proj[key]
 
+    def _active(self, state: _Direction) -> list[SenderRecord]:
+        horizon = state.seen - self.params.window
+        return [rec for rec in state.senders.values() if rec.last >= horizon]
+
+    def _reference(self, state: _Direction) -> Stats | None:
+        """Coordinate-wise median of the EMAs of the senders active in the last ``window``
+        tensors: what the majority of the replicas sends, whatever a minority does."""
+        if state.ref_version != state.seen:
+            active = self._active(state)
+            state.ref = median_stats([rec.ema for rec in active]) if active else None
+            state.ref_version = state.seen
+        return state.ref
+
+    def _fences(self, state: _Direction) -> dict[str, float]:
+        """Per distance: the median over active senders of their own Tukey fences (each over its
+        last ``sender_window`` accepted distances), once three senders have enough; before that
+        the Tukey fence over the direction's last ``window`` accepted distances."""
+        p = self.params
+        need = max(p.min_window, p.warmup // 2)
+        active = [rec for rec in self._active(state)]
+        out = {}
+        for name in DISTANCES:
+            floor = SPREAD_FLOOR.get(name, 0.0)
+            own = [tukey_fence(rec.windows[name], p.kappa, p.iqr_floor, floor) for rec in active
+                   if len(rec.windows[name]) >= p.sender_min]
+            if len(own) >= 3:
+                out[name] = statistics.median(own)
+            elif len(state.windows[name]) >= need:
+                out[name] = tukey_fence(state.windows[name], p.kappa, p.iqr_floor, floor)
+            else:
+                out[name] = math.inf
+        return out
+
     # -- queries -----------------------------------------------------------------------------
 
     def forget(self, sender: str) -> None:
-        """Drop a sender's record (it left, or was banned)."""
+        """Drop a sender's record (it left, or was banned): it no longer votes in the reference."""
         with self._lock:
             for state in self._dirs.values():
-                state.senders.pop(sender, None)
+                if state.senders.pop(sender, None) is not None:
+                    state.ref_version = -1
 
     def warmed_up(self, direction: str) -> bool:
         return self._dirs[direction].accepted >= self.params.warmup
 
     def fences(self, direction: str) -> dict[str, float]:
-        """The current fence of each distance (inf while its window is too short)."""
+        """The current fence of each distance (inf while there is too little to fence with)."""
         with self._lock:
             return self._fences(self._dirs[direction])
 
     def peer_report(self, direction: str) -> dict[str, dict]:
-        """Per sender: tensors seen, rejected, and the distances of its own EMA to the reference."""
+        """Per sender: tensors seen, rejected, and the distances of its EMA to the reference."""
         with self._lock:
             state = self._dirs[direction]
+            ref = self._reference(state)
             return {
                 name: {"seen": rec.seen, "rejected": rec.rejected,
-                       "distances": distances(rec.ema, state.ref) if state.ref is not None else {}}
+                       "distances": distances(rec.ema, ref) if ref is not None else {}}
                 for name, rec in state.senders.items()
             }
 
@@ -437,20 +486,13 @@ class Sentinel:
         rejected gradient if the operator wants one; None before references exist."""
         with self._lock:
             state = self._dirs[direction]
-            if state.table is None or state.ref is None:
+            ref = self._reference(state)
+            if state.table is None or ref is None:
                 return None
-            sigma = math.exp(float(state.ref.scale)) / (ids.numel() if direction == "grad" else 1)
-            return (state.table.expected(ids, direction, state.ref.mean) * sigma).to(dtype)
+            sigma = math.exp(float(ref.scale)) / (ids.numel() if direction == "grad" else 1)
+            return (state.table.expected(ids, direction, ref.mean) * sigma).to(dtype)
 
     # -- the verdict -------------------------------------------------------------------------
-
-    def _fences(self, state: _Direction) -> dict[str, float]:
-        p = self.params
-        need = max(p.min_window, p.warmup // 2)
-        return {
-            name: tukey_fence(w, p.kappa, p.iqr_floor, SPREAD_FLOOR.get(name, 0.0)) if len(w) >= need else math.inf
-            for name, w in state.windows.items()
-        }
 
     def judge(self, sender: str, direction: str, x: Tensor, ids: Tensor | None = None,
               mb: object = None, commit: bool = True) -> Judgement:
@@ -471,7 +513,8 @@ class Sentinel:
             if digest in state.hashes:
                 if mb is not None and state.hashes[digest] == mb:
                     return Judgement(True, None, 0.0, {}, "retransmit")
-                self._count(state, sender, None, accepted=False, commit=commit)
+                if commit and sender in state.senders:
+                    state.senders[sender].rejected += 1
                 return Judgement(False, "replay", math.inf, {}, "replay")
             if commit:
                 state.hashes[digest] = mb
@@ -481,7 +524,8 @@ class Sentinel:
         k = x.shape[-1]
         Xn, log_scale = normalize(x.detach().float().reshape(-1, k), direction == "grad", p.clip)
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
-        d = distances(s, state.ref) if state.ref is not None else {}
+        ref = self._reference(state)
+        d = distances(s, ref) if ref is not None else {}
         tX = tkeys = None
         if ids is not None:
             tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
@@ -503,32 +547,54 @@ class Sentinel:
                     score, worst = (math.inf if not math.isfinite(value) else ratio), name
         accept = score <= 1.0
         verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis)
-        if not commit:
-            return verdict
+        if commit:
+            self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis)
+        return verdict
 
-        # Learning. Normally a rejected tensor pulls the reference at reject_weight of the rate and
-        # only as if it sat on the fence, (s − r)/score, so garbage (zeros: log scale −80) cannot
-        # drag it. When most of the recent traffic is rejected — more than any minority of
-        # attackers can send — the stage's honest distribution itself has moved (a learning-rate
-        # step, a block unlocked): then rejected tensors pull at the full rate and up to
-        # ``shift_reach`` fences, so the reference catches up instead of locking everyone out.
+    def _record(self, state: _Direction, sender: str, s: Stats) -> SenderRecord:
+        rec = state.senders.get(sender)
+        if rec is None:
+            rec = SenderRecord(ema=s.clone(), windows={
+                name: deque(maxlen=self.params.sender_window) for name in DISTANCES})
+            state.senders[sender] = rec
+            while len(state.senders) > self.params.max_senders:
+                state.senders.popitem(last=False)
+        else:
+            state.senders.move_to_end(sender)
+        return rec
+
+    def _learn(self, state, sender, direction, s, d, tX, tkeys, accept, score, basis) -> None:
+        """Fold a judged tensor in. Normally a rejected tensor moves its sender's EMA at
+        ``reject_weight`` of the rate and only as if it sat on the fence, (s − r)/score, so
+        garbage (zeros: log scale −80) cannot drag anything. When most of the recent traffic is
+        rejected — more than any minority of attackers can send — the stage's honest
+        distribution itself has moved (a learning-rate step, a block unlocked): rejected tensors
+        then pull at the full rate and up to ``shift_reach`` fences, so the references catch up
+        instead of locking every honest sender out."""
+        p = self.params
         shifted = (basis == "reference" and len(state.recent) >= p.min_window
                    and sum(state.recent) > 0.5 * len(state.recent))
         weight = 1.0 if accept or shifted else p.reject_weight
-        reach = p.shift_reach if shifted else 1.0
-        beta = p.beta(direction)
-        if state.ref is None:
-            state.ref = s.clone()
-        elif accept:
-            state.ref.ema_(s, beta)
-        elif math.isfinite(score) and weight > 0:
-            shrink = min(1.0, reach / score)
-            pull = Stats(*(getattr(state.ref, f) + (getattr(s, f) - getattr(state.ref, f)) * shrink
-                           for f in Stats.FIELDS))
-            state.ref.ema_(pull, 1 - (1 - beta) * weight)
+        new = sender not in state.senders
+        rec = self._record(state, sender, s)
+        if not new:
+            # decay in the direction's time: a sender heard from every R-th tensor keeps an EMA
+            # as fresh as the stage's, not R times staler
+            gap = max(1, state.seen - rec.last)
+            a = (1 - p.beta(direction) ** gap) * weight
+            target = s
+            if not accept:
+                shrink = min(1.0, (p.shift_reach if shifted else 1.0) / score) if math.isfinite(score) else 0.0
+                target = Stats(*(getattr(rec.ema, f) + (getattr(s, f) - getattr(rec.ema, f)) * shrink
+                                 for f in Stats.FIELDS))
+            rec.ema.ema_(target, 1 - a)
+        rec.last = state.seen
+        rec.seen += 1
+        rec.rejected += not accept
+        state.seen += 1
         if tX is not None:
-            if state.table is None or state.table.k != k:
-                state.table = TokenTable(p.token_buckets, k, p.beta_tok)
+            if state.table is None or state.table.k != tX.shape[-1]:
+                state.table = TokenTable(p.token_buckets, tX.shape[-1], p.beta_tok)
             state.table.update(tX, tkeys, weight)
         if basis == "reference":
             state.recent.append(not accept)
@@ -537,22 +603,4 @@ class Sentinel:
             for name, value in d.items():
                 if math.isfinite(value):
                     state.windows[name].append(value)
-        self._count(state, sender, s, accepted=accept, commit=True)
-        return verdict
-
-    def _count(self, state: _Direction, sender: str, s: Stats | None, accepted: bool, commit: bool) -> None:
-        if not commit:
-            return
-        rec = state.senders.get(sender)
-        if rec is None:
-            if s is None:
-                return
-            rec = state.senders[sender] = SenderRecord(ema=s.clone())
-            while len(state.senders) > self.params.max_senders:
-                state.senders.popitem(last=False)
-        else:
-            state.senders.move_to_end(sender)
-            if s is not None:
-                rec.ema.ema_(s, 0.9)
-        rec.seen += 1
-        rec.rejected += not accepted
+                    rec.windows[name].append(value)

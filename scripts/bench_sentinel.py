@@ -1,0 +1,468 @@
+"""SENTINEL benchmark: detection quality, false positives, overhead and damage, in one process.
+
+A three-stage pipeline (head, body, tail) whose middle stage has R replicas, some malicious
+(default 3 of 8 = 37.5%: two insiders that turn at ``--attack-start`` plus one newcomer that joins
+then and attacks from its first tensor; an honest newcomer joins at the same time). Replicas
+share the body weights (as if perfectly averaged); each step one microbatch goes to the next
+active replica (round robin). What a malicious replica sends — activations to the tail and
+activation-gradients to the head — goes through the attack.
+
+Part 1, detection (open loop, default model): ONE clean training run; at every step the honest
+tensors are computed once, and every attack has its own pair of verifiers (tail: activations,
+head: gradients) fed the honest tensors of honest replicas and the attacked tensors of
+malicious ones. Precision / recall / F1 count tensors in the attack phase: a positive is a
+tensor from a malicious replica, a detection is a rejection. ``delay_steps``: steps from the
+attack start until a node (flags_to_ban flags among a sender's last 20 verdicts) bans a
+malicious replica, averaged over them; ``delay_sends``: the same in that replica's own tensors.
+The clean verifiers (body: activations from the head and gradients from the tail; tail and
+head: honest replicas) give ``fpr`` over the whole run after warm-up, and ``overhead_frac``:
+the body's two verifications per microbatch over the body's forward + backward time.
+Accepted poison does not feed back into training here (that is part 2).
+
+Part 2, damage (closed loop, ``--val-manifest``, default the tiny test model for time): the
+same swarm trained three times — clean; under the strongest attack with SENTINEL (rejected
+tensors dropped, the microbatch skipped, senders banned and routed around); under it without
+SENTINEL (basic checks only) — and the validation loss of each.
+
+Prints one JSON object. ``--quick``: test manifest, 4 replicas with 1 malicious, short runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from security.attacks import ATTACKS, make_attack  # noqa: E402
+from security.bans import BanList  # noqa: E402
+from security.verifier import BasicVerifier, SentinelVerifier  # noqa: E402
+from stages.data import Batches, load_corpus, val_batches  # noqa: E402
+from stages.manifest import load_manifest  # noqa: E402
+from stages.model import build_stage, lm_loss  # noqa: E402
+from stages.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+
+VARIANTS = {  # extra attack settings reported beside the defaults
+    "delayed(noise=0.01)": ("delayed", {"noise": 0.01}),
+    "adaptive(mode=mimic)": ("adaptive", {"mode": "mimic"}),
+    "invisible(rel=0.1)": ("invisible", {"rel": 0.1}),
+    "invisible(rel=0.3)": ("invisible", {"rel": 0.3}),
+    "invisible(rel=0.5)": ("invisible", {"rel": 0.5}),
+    "bias(scale=0.25)": ("bias", {"scale": 0.25}),
+    "scaling(factor=1.5)": ("scaling", {"factor": 1.5}),
+}
+BAN_MEMORY = 20
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--manifest", default="default", help="run manifest for part 1 (name or path)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch in part 1")
+    ap.add_argument("--steps", type=int, default=180, help="training steps in part 1")
+    ap.add_argument("--attack-start", type=int, default=80, help="step the attacks begin (both parts)")
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--malicious", type=int, default=3, help="of them malicious (one is a newcomer)")
+    ap.add_argument("--kappa", type=float, default=None, help="fence width (default: the manifest's)")
+    ap.add_argument("--warmup", type=int, default=None, help="SENTINEL warm-up (default: the manifest's)")
+    ap.add_argument("--no-variants", action="store_true", help="skip the extra attack settings and the no-ids ablation")
+    ap.add_argument("--val-manifest", default="test", help="run manifest for part 2")
+    ap.add_argument("--val-steps", type=int, default=300)
+    ap.add_argument("--val-batch-size", type=int, default=16,
+                    help="sequences per microbatch in part 2 (0: the val manifest's)")
+    ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--strongest", default="adaptive", choices=sorted(ATTACKS),
+                    help="attack for part 2; adaptive did the most damage without SENTINEL in a "
+                    "--pick-strongest run (val loss +4.7%% vs clean on the test model)")
+    ap.add_argument("--pick-strongest", action="store_true",
+                    help="part 2 first trains once per attack without SENTINEL and uses the most damaging")
+    ap.add_argument("--part", choices=("both", "detection", "damage"), default="both")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (with more, the verifier's small ops are ~20x slower "
+                    "on an oversubscribed CPU: spinning OpenMP workers)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke run: test manifest, 4 replicas, short runs")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.manifest, args.batch_size, args.steps, args.attack_start = "test", 4, 70, 30
+        args.replicas, args.malicious = 4, 1
+        args.val_steps, args.val_batches, args.val_batch_size, args.no_variants = 60, 2, 4, True
+    if args.malicious < 1 or args.malicious >= args.replicas / 2:
+        ap.error("--malicious must be at least 1 and a minority of --replicas")
+    if not 0 < args.attack_start < args.steps:
+        ap.error("--attack-start must lie inside the run")
+    return args
+
+
+# ---------------------------------------------------------------------------------------- swarm
+
+
+class Swarm:
+    """Head, one shared body, tail, their optimizers, and who the body replicas are."""
+
+    def __init__(self, manifest, batch_size: int, replicas: int, malicious: int, attack_start: int, seed: int):
+        if manifest.n_stages != 3:
+            manifest = manifest.replace(stages={"layout": _three_stage_layout(manifest.model.n_layers)})
+        self.m = manifest
+        torch.manual_seed(seed)
+        self.stages = [build_stage(manifest, i) for i in range(3)]
+        self.opts = [build_optimizer(manifest, s) for s in self.stages]
+        corpus = load_corpus(manifest.data)
+        self.batches = Batches(corpus.train, batch_size, manifest.model.seq_len, seed=manifest.run.seed + seed)
+        self.val = val_batches(corpus.val, batch_size, manifest.model.seq_len, 8)
+        self.replicas = [f"body-{i}" for i in range(replicas)]
+        # insiders: honest until attack_start; newcomers (last two) join at attack_start
+        self.newcomer_bad, self.newcomer_good = self.replicas[-1], self.replicas[-2]
+        self.malicious = set(self.replicas[1:malicious]) | {self.newcomer_bad}
+        self.attack_start = attack_start
+
+    def active(self, step: int, banned=()) -> list[str]:
+        late = {self.newcomer_bad, self.newcomer_good}
+        return [r for r in self.replicas if (step >= self.attack_start or r not in late) and r not in banned]
+
+    def route(self, step: int, banned=()) -> str | None:
+        act = self.active(step, banned)
+        return act[step % len(act)] if act else None
+
+    def set_lr(self, step: int) -> None:
+        lr = lr_at(self.m.schedule, self.m.optim.lr, step)
+        for o in self.opts:
+            set_lr(o, lr)
+
+    def clip_and_step(self, which) -> None:
+        for i in which:
+            torch.nn.utils.clip_grad_norm_(self.stages[i].parameters(), self.m.optim.grad_clip)
+            self.opts[i].step()
+        for o in self.opts:
+            o.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def val_loss(self, n: int) -> float:
+        losses = []
+        for ids in self.val[:n]:
+            c = self.stages[0](None, ids)
+            c = self.stages[1](c, ids)
+            losses.append(float(lm_loss(self.stages[2](c, ids), ids)))
+        return statistics.fmean(losses)
+
+
+def _three_stage_layout(n_layers: int):
+    a, b = n_layers // 3, 2 * n_layers // 3
+    return ((0, max(1, a)), (max(1, a), max(2, b)), (max(2, b), n_layers))
+
+
+def make_verifier(m, kappa, warmup, seed):
+    s = m.sentinel
+    overrides = {}
+    if kappa is not None:
+        overrides["kappa"] = kappa
+    if warmup is not None:
+        overrides["warmup"] = warmup
+    cfg = type("Cfg", (), {f: overrides.get(f, getattr(s, f))
+                           for f in ("beta_act", "beta_grad", "n_projections", "warmup", "window", "kappa")})
+    return SentinelVerifier.from_config(cfg, k=m.k, seq_len=m.model.seq_len, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+
+class Tally:
+    """Verdicts of one attack's verifiers in the attack phase, and when each sender got banned."""
+
+    def __init__(self, m, attack_start: int):
+        self.tp = self.fp = self.fn = self.tn = 0
+        self.attack_start = attack_start
+        self.bans = {d: BanList(flags_to_ban=m.sentinel.flags_to_ban, memory=max(BAN_MEMORY, m.sentinel.flags_to_ban))
+                     for d in ("act", "grad")}
+        self.first_ban: dict[str, int] = {}
+        self.sends: dict[str, int] = {}
+        self.ban_sends: dict[str, int] = {}
+        self.reasons: dict[str, int] = {}
+
+    def add(self, sender: str, direction: str, malicious: bool, verdict, step: int) -> None:
+        if step < self.attack_start:
+            return
+        rejected = not verdict.accept
+        if malicious:
+            self.tp += rejected
+            self.fn += not rejected
+            if rejected:
+                self.reasons[verdict.reason] = self.reasons.get(verdict.reason, 0) + 1
+        else:
+            self.fp += rejected
+            self.tn += not rejected
+        if direction == "act":
+            self.sends[sender] = self.sends.get(sender, 0) + 1
+        if self.bans[direction].record(sender, rejected, float(step)) and sender not in self.first_ban:
+            self.first_ban[sender] = step
+            self.ban_sends[sender] = self.sends.get(sender, 0)
+
+    def result(self, malicious: set[str]) -> dict:
+        p = self.tp / (self.tp + self.fp) if self.tp + self.fp else 0.0
+        r = self.tp / (self.tp + self.fn) if self.tp + self.fn else 0.0
+        f1 = 2 * p * r / (p + r) if p + r else 0.0
+        delays = [self.first_ban[s] - self.attack_start for s in malicious if s in self.first_ban]
+        sends = [self.ban_sends[s] for s in malicious if s in self.ban_sends]
+        return {
+            "precision": round(p, 4), "recall": round(r, 4), "f1": round(f1, 4),
+            "delay_steps": round(statistics.fmean(delays), 1) if len(delays) == len(malicious) else None,
+            "delay_sends": round(statistics.fmean(sends), 1) if len(sends) == len(malicious) else None,
+            "banned_malicious": sorted(s for s in malicious if s in self.first_ban),
+            "banned_honest": sorted(s for s in self.first_ban if s not in malicious),
+            "tensors": {"tp": self.tp, "fn": self.fn, "fp": self.fp, "tn": self.tn},
+            "reasons": dict(sorted(self.reasons.items(), key=lambda kv: -kv[1])),
+        }
+
+
+# ---------------------------------------------------------------------------------------- part 1
+
+
+def detection(args) -> dict:
+    m = load_manifest(args.manifest)
+    sw = Swarm(m, args.batch_size, args.replicas, args.malicious, args.attack_start, args.seed)
+    m = sw.m
+    settings = dict(kappa=args.kappa, warmup=args.warmup)
+    clean = {name: make_verifier(m, seed=m.run.seed + i, **settings) for i, name in enumerate(("body", "tail", "head"))}
+    clean_counts = {"body:act": [0, 0], "body:grad": [0, 0], "tail:act": [0, 0], "head:grad": [0, 0]}
+    clean_bans = {p: BanList(flags_to_ban=m.sentinel.flags_to_ban, memory=BAN_MEMORY) for p in clean_counts}
+    honest_banned = set()
+
+    cases = {name: (name, {}, True) for name in ATTACKS}
+    if not args.no_variants:
+        cases.update({name: (a, kw, True) for name, (a, kw) in VARIANTS.items()})
+        cases.update({f"{name}[no ids]": (name, {}, False) for name in ATTACKS})
+    runs = {}
+    for i, (case, (attack, kw, use_ids)) in enumerate(cases.items()):
+        runs[case] = {
+            "tail": make_verifier(m, seed=m.run.seed + 1, **settings),
+            "head": make_verifier(m, seed=m.run.seed + 2, **settings),
+            "ids": use_ids,
+            "attack": {(r, d): make_attack(attack, start=args.attack_start, seed=1000 * i + j, **kw)
+                       for j, r in enumerate(sorted(sw.malicious)) for d in ("act", "grad")},
+            "tally": Tally(m, args.attack_start),
+        }
+
+    t_body, t_verify, losses = [], [], []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        sw.set_lr(step)
+        ids = sw.batches.batch(step)
+        replica = sw.route(step)
+        c0 = sw.stages[0](None, ids)
+        x1 = c0.detach().requires_grad_()
+        tb = time.perf_counter()
+        c1 = sw.stages[1](x1, ids)
+        tb = time.perf_counter() - tb
+        x2 = c1.detach().requires_grad_()
+        loss = lm_loss(sw.stages[2](x2, ids), ids)
+        loss.backward()
+        g2 = x2.grad
+        tbb = time.perf_counter()
+        c1.backward(g2)
+        t_body.append(tb + time.perf_counter() - tbb)
+        g1 = x1.grad
+        c0.backward(g1)
+        sw.clip_and_step(range(3))
+        losses.append(loss.item())
+        act, grad = c1.detach(), g1.detach()
+
+        # clean verifiers: the body verifies what it receives (timed), tail and head the replicas
+        tv = time.perf_counter()
+        v_act = clean["body"].verify("head-0", "act", c0.detach(), step=step, ids=ids, mb=step)
+        v_grad = clean["body"].verify("tail-0", "grad", g2, step=step, ids=ids, mb=step)
+        t_verify.append(time.perf_counter() - tv)
+        verdicts = {"body:act": ("head-0", v_act), "body:grad": ("tail-0", v_grad),
+                    "tail:act": (replica, clean["tail"].verify(replica, "act", act, step=step, ids=ids, mb=step)),
+                    "head:grad": (replica, clean["head"].verify(replica, "grad", grad, step=step, ids=ids, mb=step))}
+        for point, (sender, v) in verdicts.items():
+            if v.basis not in ("warmup", "basic"):
+                clean_counts[point][0] += not v.accept
+                clean_counts[point][1] += 1
+                if clean_bans[point].record(sender, not v.accept, float(step)):
+                    honest_banned.add(f"{point}:{sender}")
+
+        # every attack case: its own verifiers see the honest tensors of honest replicas and the
+        # attacked tensors of malicious ones; every attack instance observes the whole stream
+        for case, run in runs.items():
+            vids = ids if run["ids"] else None
+            for direction, x, node in (("act", act, "tail"), ("grad", grad, "head")):
+                for (r, d), atk in run["attack"].items():
+                    if d == direction and r != replica:
+                        atk.observe(x, step)
+                bad = replica in sw.malicious
+                sent = run["attack"][(replica, direction)](x, step) if bad else x
+                v = run[node].verify(replica, direction, sent, step=step, ids=vids, mb=step)
+                run["tally"].add(replica, direction, bad and step >= args.attack_start, v, step)
+    elapsed = time.perf_counter() - t0
+
+    attacks = {case: run["tally"].result(sw.malicious) for case, run in runs.items()}
+    main = {k: v for k, v in attacks.items() if k in ATTACKS}
+    rejected = sum(c[0] for c in clean_counts.values())
+    judged = sum(c[1] for c in clean_counts.values())
+    return {
+        "attacks": main,
+        "variants": {k: v for k, v in attacks.items() if k not in ATTACKS and not k.endswith("[no ids]")},
+        "no_ids": {k[: -len("[no ids]")]: {"f1": v["f1"], "recall": v["recall"], "precision": v["precision"]}
+                   for k, v in attacks.items() if k.endswith("[no ids]")},
+        "fpr": round(rejected / judged, 5) if judged else None,
+        "fpr_by_point": {p: round(c[0] / c[1], 5) if c[1] else None for p, c in clean_counts.items()},
+        "fpr_tensors": judged,
+        "honest_bans_clean": sorted(honest_banned),
+        "overhead_frac": round(statistics.median(t_verify) / statistics.median(t_body), 5),
+        "verify_ms_per_microbatch": round(1e3 * statistics.median(t_verify), 3),
+        "body_fwd_bwd_ms": round(1e3 * statistics.median(t_body), 2),
+        "train_loss_first_last": [round(losses[0], 3), round(statistics.fmean(losses[-10:]), 3)],
+        "seconds": round(elapsed, 1),
+        "settings": {
+            "manifest": args.manifest, "d_model": m.model.d_model, "n_layers": m.model.n_layers, "k": m.k,
+            "seq_len": m.model.seq_len, "batch_size": args.batch_size, "steps": args.steps,
+            "attack_start": args.attack_start, "replicas": sw.replicas, "malicious": sorted(sw.malicious),
+            "newcomers": {"malicious": sw.newcomer_bad, "honest": sw.newcomer_good},
+            "sentinel": _sentinel_settings(clean["tail"]), "flags_to_ban": m.sentinel.flags_to_ban,
+            "ban_memory": BAN_MEMORY,
+        },
+    }
+
+
+def _sentinel_settings(v: SentinelVerifier) -> dict:
+    p = v.sentinel.params
+    return {f: getattr(p, f) for f in ("beta_act", "beta_grad", "n_projections", "warmup", "window", "kappa",
+                                      "clip", "iqr_floor", "reject_weight", "beta_tok")}
+
+
+# ---------------------------------------------------------------------------------------- part 2
+
+
+def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
+    """Train the swarm on the val manifest; malicious replicas attack from ``attack_start``."""
+    m = load_manifest(args.val_manifest)
+    bs = args.val_batch_size or m.data.batch_size
+    start = min(args.attack_start, args.val_steps // 4)
+    sw = Swarm(m, bs, args.replicas, args.malicious, start, args.seed)
+    m = sw.m
+    if sentinel:
+        v_tail = make_verifier(m, args.kappa, args.warmup, m.run.seed + 1)
+        v_head = make_verifier(m, args.kappa, args.warmup, m.run.seed + 2)
+    else:
+        v_tail = v_head = BasicVerifier(m.k, seq_len=m.model.seq_len)
+    # bans last 20 steps, doubling per repeat (time is counted in steps here)
+    bans = BanList(flags_to_ban=m.sentinel.flags_to_ban, memory=BAN_MEMORY, base_s=20, max_s=10 * args.val_steps)
+    atk = {(r, d): make_attack(attack, start=start, seed=j) for j, r in enumerate(sorted(sw.malicious))
+           for d in ("act", "grad")} if attack else {}
+    dropped = skipped = 0
+    banned_at: dict[str, list[int]] = {}
+    for step in range(args.val_steps):
+        sw.set_lr(step)
+        ids = sw.batches.batch(step)
+        banned = set(bans.banned(float(step)))
+        replica = sw.route(step, banned)
+        if replica is None:  # every replica banned: nothing to train this step
+            skipped += 1
+            continue
+        c0 = sw.stages[0](None, ids)
+        x1 = c0.detach().requires_grad_()
+        c1 = sw.stages[1](x1, ids)
+        act = c1.detach()
+        bad = attack is not None and replica in sw.malicious and step >= start
+        if bad:
+            act = atk[(replica, "act")](act, step)
+        v = v_tail.verify(replica, "act", act, step=step, ids=ids, mb=step)
+        _flag(bans, replica, v, step, banned_at)
+        if not v.accept:  # dropped; the microbatch is skipped
+            dropped += 1
+            sw.clip_and_step(())
+            continue
+        x2 = act.clone().requires_grad_()
+        loss = lm_loss(sw.stages[2](x2, ids), ids)
+        loss.backward()
+        update = [2]
+        c1.backward(x2.grad)
+        grad = x1.grad
+        if bad:  # a malicious replica's own weights are its business: the shared body learns nothing
+            for p in sw.stages[1].parameters():
+                p.grad = None
+        else:
+            update.append(1)
+        if bad:
+            grad = atk[(replica, "grad")](grad, step)
+        vg = v_head.verify(replica, "grad", grad, step=step, ids=ids, mb=step)
+        _flag(bans, replica, vg, step, banned_at)
+        if vg.accept:
+            c0.backward(grad)
+            update.append(0)
+        else:
+            dropped += 1
+        sw.clip_and_step(update)
+    return {"val_loss": round(sw.val_loss(args.val_batches), 4), "dropped": dropped, "no_replica_steps": skipped,
+            "banned_at_step": dict(sorted(banned_at.items())), "malicious": sorted(sw.malicious), "attack_start": start}
+
+
+def _flag(bans: BanList, replica: str, verdict, step: int, banned_at: dict) -> None:
+    if bans.record(replica, not verdict.accept, float(step)):
+        banned_at.setdefault(replica, []).append(step)
+
+
+def damage(args) -> dict:
+    t0 = time.perf_counter()
+    out = {"settings": {"manifest": args.val_manifest, "steps": args.val_steps, "replicas": args.replicas,
+                        "malicious": args.malicious}}
+    strongest = args.strongest
+    if args.pick_strongest:
+        trial = {a: train_closed_loop(args, a, sentinel=False)["val_loss"] for a in ATTACKS}
+        out["without_sentinel_by_attack"] = trial
+        strongest = max(trial, key=trial.get)
+    clean = train_closed_loop(args, None, sentinel=True)
+    with_s = train_closed_loop(args, strongest, sentinel=True)
+    without = train_closed_loop(args, strongest, sentinel=False)
+    out.update({
+        "attack": strongest,
+        "clean": clean["val_loss"],
+        "attacked_with_sentinel": with_s["val_loss"],
+        "attacked_without_sentinel": without["val_loss"],
+        "with_sentinel_vs_clean": round(with_s["val_loss"] / clean["val_loss"] - 1, 4),
+        "detail": {"clean": clean, "attacked_with_sentinel": with_s, "attacked_without_sentinel": without},
+        "seconds": round(time.perf_counter() - t0, 1),
+    })
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    det = detection(args) if args.part in ("both", "detection") else None
+    dmg = damage(args) if args.part in ("both", "damage") else None
+    result = {
+        "attacks": det.pop("attacks") if det else None,
+        "fpr": det.pop("fpr") if det else None,
+        "overhead_frac": det.pop("overhead_frac") if det else None,
+        "val_loss": {k: dmg[k] for k in ("clean", "attacked_with_sentinel", "attacked_without_sentinel")} if dmg else None,
+        "val_loss_attack": dmg["attack"] if dmg else None,
+        "targets_met": {},
+        "detection": det,
+        "damage": dmg,
+        "quick": args.quick,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if det:
+        result["targets_met"].update({
+            "f1>=0.9": {k: v["f1"] >= 0.9 for k, v in result["attacks"].items()},
+            "fpr<=0.01": result["fpr"] is not None and result["fpr"] <= 0.01,
+            "overhead_frac<=0.05": result["overhead_frac"] <= 0.05,
+        })
+    if dmg:
+        vl = result["val_loss"]
+        result["targets_met"]["with_sentinel_within_2pct"] = (
+            math.isfinite(vl["attacked_with_sentinel"]) and vl["attacked_with_sentinel"] <= 1.02 * vl["clean"])
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

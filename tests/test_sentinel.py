@@ -1,0 +1,308 @@
+"""SENTINEL (security/sentinel.py): distances, fences, warm-up, new senders, attacks, replays."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from security.attacks import ATTACKS, make_attack
+from security.sentinel import (
+    DISTANCES,
+    Sentinel,
+    SentinelParams,
+    Stats,
+    TokenTable,
+    compute_stats,
+    distances,
+    normalize,
+    projections,
+    tukey_fence,
+)
+
+K = 8
+
+
+def stream(n, *, direction="act", B=8, L=64, vocab=64, seed=0, scale=1.0, noise=0.5, drift=None):
+    """Synthetic boundary traffic with token structure: x_t = E[key_t] + noise, where the key is
+    the token (activations) or the next token (gradients), like the real payloads."""
+    E = torch.randn(vocab, K, generator=torch.Generator().manual_seed(1234)) + 0.7  # the "model"
+    g = torch.Generator().manual_seed(seed)
+    for t in range(n):
+        ids = torch.randint(0, vocab, (B, L), generator=g)
+        keys = ids if direction == "act" else torch.roll(ids, -1, dims=1)
+        x = E[keys] + noise * torch.randn(B, L, K, generator=g)
+        s = scale if drift is None else scale * drift(t)
+        if direction == "grad":
+            s = s / (B * L)  # gradients of a mean loss
+        yield ids, x * s
+
+
+def warm(sen, n=40, direction="act", senders=("a", "b", "c"), **kw):
+    for t, (ids, x) in enumerate(stream(n, direction=direction, **kw)):
+        j = sen.judge(senders[t % len(senders)], direction, x, ids, mb=("w", t))
+        assert j.accept, (t, j)
+
+
+def stats_of(mean, absmean, rms, quant, scale=0.0):
+    f = torch.tensor
+    return Stats(f(float(scale)), f(mean), f(absmean), f(rms), f(quant).reshape(-1, 1))
+
+
+# ---------------------------------------------------------------------------- distances
+
+
+def test_distances_on_hand_made_stats():
+    r = stats_of([1.0, -2.0], [1.0, 2.0], [1.0, 2.0], [-1.0, 0.5, 2.0], scale=0.0)
+    s = stats_of([1.0, 2.0], [1.0, 2.0], [1.5, 2.0], [-1.5, -0.5, 2.0], scale=math.log(3.0))
+    d = distances(s, r)
+    # moments differ in mean[1] by 4 and rms[0] by 0.5: 6 values
+    assert d["l1"] == pytest.approx(4.5 / 6)
+    assert d["l2"] == pytest.approx(math.sqrt((16 + 0.25) / 6))
+    # signed: means [1, 2] vs [1, -2] and median quantile -0.5 vs 0.5: |s·r| = 1, 4, 0.25; flipped 4.25
+    assert d["sign"] == pytest.approx(4.25 / 5.25)
+    assert d["swd"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+    assert d["scale"] == pytest.approx(math.log(3.0))
+    assert distances(r, r) == {"l1": 0.0, "l2": 0.0, "sign": 0.0, "swd": 0.0, "scale": 0.0}
+
+
+def test_normalize_and_stats_on_known_tensor():
+    # every token vector has norm 2·sqrt(K): the robust unit is 2, values become ±1
+    X = torch.full((100, K), 2.0)
+    X[::2] *= -1
+    Xn, log_scale = normalize(X, grad=False, clip=3.0)
+    assert float(log_scale) == pytest.approx(math.log(2.0))
+    assert torch.equal(Xn.abs(), torch.ones_like(Xn))
+    s = compute_stats(Xn, log_scale, projections(K, 4, 0), n_quantiles=4, max_tokens=1000)
+    assert torch.allclose(s.mean, torch.zeros(K)) and torch.allclose(s.rms, torch.ones(K))
+    assert torch.allclose(s.absmean, torch.ones(K))
+    # gradient scale drops the 1/N of a mean loss: N·σ
+    _, g_scale = normalize(X / 100, grad=True, clip=3.0)
+    assert float(g_scale) == pytest.approx(math.log(2.0))
+    # clipping: one huge token does not move the unit and is capped at ±clip
+    Y = X.clone()
+    Y[0] *= 1000
+    Yn, y_scale = normalize(Y, grad=False, clip=3.0)
+    assert float(y_scale) == pytest.approx(math.log(2.0)) and float(Yn.abs().max()) == 3.0
+
+
+def test_sliced_wasserstein_sees_a_shift_along_the_projections():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(4000, K, generator=g)
+    P = projections(K, 16, 0)
+    a = compute_stats(X, torch.tensor(0.0), P, 64, 10_000)
+    b = compute_stats(X + 0.5, torch.tensor(0.0), P, 64, 10_000)
+    # shifting every token by 0.5·1 shifts projection j by 0.5·sum(p_j): W1 per projection is that
+    expected = float((0.5 * P.sum(0)).abs().mean())
+    assert distances(b, a)["swd"] == pytest.approx(expected, rel=0.05)
+
+
+def test_tukey_fence_and_spread_floors():
+    assert tukey_fence([1, 2, 3, 4, 5], kappa=3.0, iqr_floor=0.0) == pytest.approx(4 + 3 * 2)
+    # no spread at all: the floor relative to the median, then the absolute floor
+    assert tukey_fence([2.0] * 10, kappa=3.0, iqr_floor=0.1) == pytest.approx(2.0 + 3 * 0.2)
+    assert tukey_fence([0.0] * 10, kappa=3.0, iqr_floor=0.1, abs_floor=0.05) == pytest.approx(0.15)
+    assert tukey_fence([], 3.0, 0.1) == math.inf
+
+
+def test_token_table_agreement_and_shift():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 32, (4, 64), generator=g)
+    E = torch.randn(32, K, generator=g)
+    x = E[ids]
+    tab = TokenTable(128, K, 0.9)
+    noise = 0.1 * torch.randn(ids.numel(), K, generator=g)
+    X, keys = TokenTable.keys(x, ids, "act", 128)
+    tab.update(X, keys)
+    assert tab.agreement(X, keys) == pytest.approx(1.0, abs=1e-5)
+    assert tab.agreement(-X, keys) == pytest.approx(-1.0, abs=1e-5)
+    perm = torch.randperm(X.shape[0], generator=g)
+    assert abs(tab.agreement(X[perm], keys)) < 0.2
+    # residuals are the noise: their mean is ~0; a constant bias makes it the whole residual
+    assert tab.shift(X + noise, keys) < 0.1
+    assert tab.shift(X + noise + 1.0, keys) == pytest.approx(1 / math.sqrt(1.01), abs=0.01)
+    # gradients are keyed by the next token and drop the last position
+    Xg, kg = TokenTable.keys(x, ids, "grad", 128)
+    assert Xg.shape[0] == 4 * 63 and torch.equal(kg, ids[:, 1:].reshape(-1))
+
+
+# ---------------------------------------------------------------------------- the detector
+
+
+def test_warmup_accepts_anything_then_verdicts_count():
+    sen = Sentinel(SentinelParams(warmup=10))
+    junk = make_attack("random")
+    data = list(stream(30, seed=3))
+    for t, (ids, x) in enumerate(data[:10]):  # even garbage is accepted during warm-up
+        bad = junk(x, t) if t == 5 else x
+        j = sen.judge("a", "act", bad, ids)
+        assert j.accept and j.basis == "warmup"
+    assert sen.warmed_up("act") and not sen.warmed_up("grad")
+    for t, (ids, x) in enumerate(data[10:20], start=10):
+        assert sen.judge("a", "act", x, ids).accept
+    ids, x = data[20]
+    j = sen.judge("a", "act", x * 3, ids)
+    assert not j.accept and j.basis == "reference" and j.reason == "sentinel:scale" and j.score > 1
+
+
+def test_new_honest_peer_is_accepted_and_new_malicious_peer_rejected():
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 60, senders=("r0", "r1", "r2"), seed=4)
+    fresh = list(stream(20, seed=5))[10:]
+    # a newcomer sending honest traffic passes from its first tensor on
+    for t, (ids, x) in enumerate(fresh[:5]):
+        j = sen.judge("new-honest", "act", x, ids)
+        assert j.accept, j
+    # a newcomer that attacks from its first tensor never gets in
+    for name in ("scaling", "negation", "random", "adaptive", "bias"):
+        atk = make_attack(name, seed=1)
+        for t, (ids, x) in enumerate(fresh[5:]):
+            j = sen.judge(f"new-{name}", "act", atk(x, t), ids)
+            assert not j.accept, (name, t, j)
+    report = sen.peer_report("act")
+    assert report["new-honest"]["rejected"] == 0 and report["new-random"]["rejected"] == 5
+
+
+@pytest.mark.parametrize("direction", ["act", "grad"])
+def test_every_attack_is_flagged_after_warmup(direction):
+    data = list(stream(110, direction=direction, seed=6))
+    for name in ATTACKS:
+        sen = Sentinel(SentinelParams(warmup=10))
+        atk = make_attack(name, start=60, seed=2, **({"delay": 20} if name == "delayed" else {}))
+        flagged = honest_flags = 0
+        for t, (ids, x) in enumerate(data):
+            sender = "m" if t % 3 == 0 else f"h{t % 3}"
+            sent = atk(x, t) if sender == "m" else x
+            j = sen.judge(sender, direction, sent, ids, mb=t)
+            if t >= 60 and sender == "m":
+                flagged += not j.accept
+            elif t >= 10:
+                honest_flags += not j.accept
+        assert flagged >= 0.9 * 17, (name, direction, flagged)
+        assert honest_flags <= 2, (name, direction, honest_flags)
+
+
+def test_without_ids_permutation_is_invisible_but_scaling_is_not():
+    """Why ``tok`` exists: a shuffle keeps every payload statistic exactly."""
+    data = list(stream(60, seed=7))
+    sen = Sentinel(SentinelParams(warmup=10))
+    for ids, x in data[:40]:
+        sen.judge("h", "act", x)
+    shuffle = make_attack("adaptive", seed=3)
+    ids, x = data[40]
+    assert sen.judge("m", "act", shuffle(x, 0), commit=False).accept
+    assert not sen.judge("m", "act", x * 3, commit=False).accept
+
+
+def test_fences_follow_a_drifting_honest_distribution():
+    """Gradients shrink 100x and get noisier over the run: (almost) no honest rejections, the
+    fence grows with the noise, and a x3 scaling at the end is still caught."""
+    n = 240
+    sen = Sentinel(SentinelParams(warmup=10, window=32))
+    fences, rejected = [], 0
+    for t, (ids, x) in enumerate(stream(n, direction="grad", seed=8, drift=lambda t: 0.98 ** t)):
+        if t % 80 == 0 and t:
+            fences.append(sen.fences("grad")["tok"])
+        # honest noise grows over time: mix in more of a fresh sample
+        x = x + (t / n) * 2.0 * x.std() * torch.randn_like(x)
+        rejected += not sen.judge(f"r{t % 4}", "grad", x, ids).accept
+    assert rejected <= 0.02 * n
+    assert fences[-1] > fences[0]
+    j = sen.judge("r0", "grad", x * 3, ids, commit=False)
+    assert not j.accept and j.reason == "sentinel:scale"
+
+
+def test_an_abrupt_honest_change_is_followed_not_locked_out():
+    """All honest senders change together (a learning-rate step): they are rejected for a while,
+    then the reference catches up and they are accepted again."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, seed=9)
+    accepted_after = []
+    for t, (ids, x) in enumerate(stream(200, seed=10)):
+        j = sen.judge(f"r{t % 3}", "act", x * 1.5, ids)
+        accepted_after.append(j.accept)
+    assert not all(accepted_after[:3])  # the jump is seen
+    assert all(accepted_after[-50:])  # and absorbed
+
+
+def test_rejected_garbage_does_not_drag_the_reference():
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, seed=11)
+    data = list(stream(200, seed=12))
+    zeros, big = make_attack("zeros"), make_attack("scaling", factor=1000.0)
+    honest_rejected = 0
+    for t, (ids, x) in enumerate(data):
+        if t % 2 == 0:  # half of the traffic is garbage from one sender
+            j = sen.judge("m", "act", (zeros if t % 4 else big)(x, t), ids)
+            assert not j.accept
+        else:
+            honest_rejected += not sen.judge(f"h{t % 3}", "act", x, ids).accept
+    assert honest_rejected <= 3
+    assert sen.peer_report("act")["m"]["rejected"] == 100
+
+
+def test_replay_is_rejected_and_retransmission_is_not():
+    sen = Sentinel(SentinelParams(warmup=4))
+    data = list(stream(20, seed=13))
+    for t, (ids, x) in enumerate(data[:15]):
+        assert sen.judge("a", "act", x, ids, mb=t).accept
+    ids, x = data[3]
+    assert sen.judge("a", "act", x.clone(), ids, mb=3).basis == "retransmit"  # same microbatch
+    j = sen.judge("b", "act", x.clone(), data[15][0], mb=99)
+    assert not j.accept and j.reason == "replay"
+    # a replay with a little noise is not bit-identical: the token agreement catches it
+    noisy = make_attack("delayed", delay=10, noise=0.01)
+    for t, (ids, x) in enumerate(data):
+        out = noisy(x, t)
+    j = sen.judge("b", "act", out, data[19][0], mb=100)
+    assert not j.accept and j.reason in ("sentinel:tok", "sentinel:shift"), j
+
+
+def test_commit_false_learns_nothing_and_reference_tensor():
+    sen = Sentinel(SentinelParams(warmup=4))
+    data = list(stream(12, direction="grad", seed=14))
+    for ids, x in data[:10]:
+        sen.judge("a", "grad", x, ids)
+    before = sen.fences("grad")
+    ids, x = data[10]
+    sen.judge("a", "grad", x * 50, ids, commit=False)
+    assert sen.fences("grad") == before
+    assert sen.judge("a", "grad", x, ids).accept  # not taken for a replay of the uncommitted call
+    ref = sen.reference_tensor("grad", ids)
+    assert ref.shape == x.shape and torch.isfinite(ref).all()
+    # the stand-in carries the gradient's scale (1/N of a mean loss), within a factor of a few
+    assert 0.2 < float(ref.norm() / x.norm()) < 5
+    assert sen.reference_tensor("act", ids) is None
+
+
+def test_params_are_validated():
+    with pytest.raises(ValueError, match="warmup"):
+        SentinelParams(warmup=1)
+    with pytest.raises(ValueError, match="beta"):
+        SentinelParams(beta_act=1.0)
+    with pytest.raises(ValueError, match="direction"):
+        Sentinel().judge("a", "sideways", torch.zeros(1, 2, K))
+    assert set(DISTANCES) >= {"l1", "l2", "sign", "swd", "tok"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_quick_runs_and_reports_every_attack():
+    root = Path(__file__).resolve().parent.parent
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, str(root / "scripts" / "bench_sentinel.py"), "--quick"],
+                         capture_output=True, text=True, timeout=110, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    result = json.loads(out.stdout)
+    assert set(result["attacks"]) == set(ATTACKS)
+    for v in result["attacks"].values():
+        assert set(v) >= {"precision", "recall", "f1", "delay_steps"}
+    assert 0 <= result["fpr"] <= 1 and result["overhead_frac"] > 0
+    assert set(result["val_loss"]) == {"clean", "attacked_with_sentinel", "attacked_without_sentinel"}
+    assert time.perf_counter() - t0 < 110

@@ -1,0 +1,128 @@
+"""The verifier interface (security/verifier.py) and the ban list (security/bans.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from security.bans import BanList
+from security.verifier import BasicVerifier, SentinelVerifier, Verdict, Verifier, make_verifier
+from stages.manifest import load_manifest
+
+K = 8
+
+
+def good(B=2, L=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, L, K, generator=g), torch.randint(0, 256, (B, L), generator=g)
+
+
+@pytest.mark.parametrize("cls", [BasicVerifier, SentinelVerifier])
+def test_basic_checks(cls):
+    v = cls(K, seq_len=16, max_batch=4)
+    assert isinstance(v, Verifier)
+    x, ids = good()
+    assert v.verify("p", "act", x, ids=ids).accept
+    cases = {
+        "bad-dtype": [x.long(), x.to(torch.float64)],
+        "bad-shape": [x[..., :-1], x[0], torch.zeros(2, 17, K), torch.zeros(5, 16, K), torch.zeros(0, 16, K)],
+        "non-finite": [x.clone().index_fill_(0, torch.tensor([1]), float("nan")),
+                       x.clone().index_fill_(2, torch.tensor([3]), float("inf"))],
+    }
+    for reason, tensors in cases.items():
+        for t in tensors:
+            verdict = v.verify("p", "grad", t)
+            assert not verdict.accept and verdict.reason == reason, (reason, t.shape, t.dtype, verdict)
+    assert v.verify("p", "act", x, ids=ids[:, :-1]).reason == "bad-shape"
+    assert v.verify("p", "act", x, ids=ids.float()).reason == "bad-dtype"
+    with pytest.raises(ValueError, match="direction"):
+        v.verify("p", "forward", x)
+
+
+def test_sentinel_verifier_from_manifest_and_disabled():
+    m = load_manifest("test")
+    v = make_verifier(m.sentinel, k=m.k, seq_len=m.model.seq_len, max_batch=8, seed=m.run.seed)
+    assert isinstance(v, SentinelVerifier)
+    p = v.sentinel.params
+    assert (p.warmup, p.window, p.kappa, p.beta_act, p.beta_grad) == (
+        m.sentinel.warmup, m.sentinel.window, m.sentinel.kappa, m.sentinel.beta_act, m.sentinel.beta_grad)
+    off = make_verifier(m.replace(sentinel={"enabled": False}).sentinel, k=m.k)
+    assert type(off) is BasicVerifier
+    # the basic verifier accepts what SENTINEL would reject after warm-up
+    for i in range(12):
+        x, ids = good(seed=i)
+        assert v.verify("p", "act", x, ids=ids, mb=i).accept
+    x, ids = good(seed=99)
+    bad = v.verify("p", "act", x * 50, ids=ids, mb=99)
+    assert not bad.accept and bad.reason.startswith("sentinel:") and bad.score > 1
+    assert off.verify("p", "act", x * 50, ids=ids).accept
+
+
+def test_replayed_payload_and_reasons_listed():
+    from security.verifier import BASIC_REASONS, SENTINEL_REASONS
+
+    v = SentinelVerifier(K)
+    x, ids = good()
+    assert v.verify("a", "act", x, ids=ids, mb=1).accept
+    assert v.verify("a", "act", x.clone(), ids=ids, mb=1).accept  # retransmission
+    r = v.verify("b", "act", x.clone(), ids=ids, mb=2)
+    assert r.reason == "replay" and r.reason in SENTINEL_REASONS
+    assert set(BASIC_REASONS) == {"bad-dtype", "bad-shape", "non-finite"}
+    assert Verdict(True).basis == "basic"
+
+
+def test_verify_is_safe_from_threads():
+    v = SentinelVerifier(K)
+    errors = []
+
+    def work(tid):
+        try:
+            for i in range(20):
+                x, ids = good(seed=tid * 100 + i)
+                assert isinstance(v.verify(f"p{tid}", "grad", x, ids=ids, mb=(tid, i)), Verdict)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sum(r["seen"] for r in v.sentinel.peer_report("grad").values()) == 80
+
+
+# ---------------------------------------------------------------------------- bans
+
+
+def test_ban_after_flags_in_memory_with_exponential_backoff():
+    b = BanList(flags_to_ban=3, memory=5, base_s=10, factor=2, max_s=35)
+    assert not b.record("x", True, 0) and not b.record("x", False, 1) and not b.record("x", True, 2)
+    assert b.record("x", True, 3, reason="sentinel:tok")  # third flag among the last 5
+    assert b.is_banned("x", 12.9) and not b.is_banned("x", 13.0)
+    assert b.banned(5) == {"x": 13.0} and b.reason("x") == "sentinel:tok" and b.strikes("x") == 1
+    assert not b.record("x", True, 5)  # ignored while banned
+    for t in (14, 15):
+        b.record("x", True, t)
+    assert b.record("x", True, 16) and b.banned(16)["x"] == 36  # second ban: 20 s
+    for t in (37, 38, 39):
+        b.record("x", True, t)
+    assert b.banned(39)["x"] == 39 + 35  # third: 40 s capped at 35
+    b.forgive("x")
+    assert not b.is_banned("x", 40) and b.strikes("x") == 0
+
+
+def test_spread_out_flags_never_ban_and_strikes_decay():
+    b = BanList(flags_to_ban=3, memory=20, base_s=10, max_s=100, decay_s=50)
+    for t in range(200):  # one flag in every 10 verdicts: never 3 in 20
+        assert not b.record("honest", t % 10 == 0, t)
+    for t in range(3):
+        b.record("y", True, t)
+    assert b.strikes("y") == 1
+    for t in range(200, 203):  # long after the ban ended: the backoff starts over
+        b.record("y", True, t)
+    assert b.strikes("y") == 1 and b.banned(203)["y"] == 212
+    with pytest.raises(ValueError):
+        BanList(flags_to_ban=5, memory=3)
