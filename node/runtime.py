@@ -341,7 +341,16 @@ class StageRuntime:
         label = "accept" if verdict.accept else "reject"
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
         now = time.monotonic()
-        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or "")):
+        mostly_ok = self.banlist.flag_rate(peer) < 0.5
+        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or "")) \
+                and mostly_ok and self._last_replica(peer):
+            # A ban exists to route around a peer. With no other replica of its stage it would only
+            # stop the pipeline, so a sender whose tensors mostly pass is spared (its flagged tensors
+            # are still dropped one by one); one whose tensors mostly fail is banned all the same.
+            self.banlist.spare(peer, now)
+            log.warning("%s keeps failing verification (%s) but is the only replica of its stage: not banned; "
+                        "its flagged tensors are dropped", peer[-8:], verdict.reason)
+        elif self.banlist.is_banned(peer, now) and peer not in self.router.banned():
             until = self.banlist.banned(now).get(peer, now)
             self.router.ban(peer, until - now, "verifier")
             self.metrics.bans.labels(cause="verifier").inc()
@@ -351,6 +360,13 @@ class StageRuntime:
             log.warning("verifier rejected %s from %s: %s (score %.2f)", direction, peer[-8:], verdict.reason,
                         float(getattr(verdict, "score", 0.0) or 0.0))
         return verdict
+
+    def _last_replica(self, peer: str) -> bool:
+        """True if ``peer`` is the only online, unbanned replica of its stage that we know of."""
+        st = self.router.peers.get(peer)
+        if st is None:
+            return False
+        return not [p for p in self.router.stage_peers(st.stage) if p.peer_id != peer]
 
     def is_banned_sender(self, peer: str) -> bool:
         return self.banlist.is_banned(peer, time.monotonic())

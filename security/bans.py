@@ -57,7 +57,7 @@ class BanList:
     def ban(self, peer: str, now: float, reason: str = "") -> float:
         """Ban ``peer`` now (the backoff grows with each ban); returns when it ends."""
         p = self._peer(peer)
-        duration = min(self.max_s, self.base_s * self.factor ** p.strikes)
+        duration = min(self.max_s, self.base_s * self.factor ** min(p.strikes, 64))
         p.strikes += 1
         p.until = now + duration
         p.reason = reason
@@ -79,6 +79,18 @@ class BanList:
     def reason(self, peer: str) -> str:
         p = self._peers.get(peer)
         return "" if p is None else p.reason
+
+    def flag_rate(self, peer: str) -> float:
+        """Fraction of ``peer``'s remembered verdicts that were flags (0 when none)."""
+        p = self._peers.get(peer)
+        return sum(p.recent) / len(p.recent) if p is not None and p.recent else 0.0
+
+    def spare(self, peer: str, now: float) -> None:
+        """End ``peer``'s ban now but keep its strike count, so a repeat ban backs off further.
+        For a sender the caller cannot route around (the last replica of its stage)."""
+        p = self._peers.get(peer)
+        if p is not None and now < p.until:
+            p.until = now
 
     def forgive(self, peer: str) -> None:
         """Forget everything about ``peer`` (an operator decision)."""
