@@ -218,6 +218,36 @@ def train(
             s.train()
         return total / max(1, len(vbatches))
 
+    # preconditioned sharpness (papers.md §5) every warmup.sharpness_every steps, over the hidden
+    # matrices of all stages on one fixed training batch, P = diag(sqrt(v)+eps) of the stage optimizers
+    sharp_every = m.warmup.sharpness_every
+    sharp_hist: list[tuple[int, float]] = []
+    sharp_state: dict = {}
+
+    def measure_sharpness() -> float:
+        from stages.optim import hidden_matrix_names
+        from stages.sharpness import SharpnessTracker, adam_preconditioner
+
+        params, precond = [], []
+        for s, o in zip(stages, optims):
+            hidden = set(hidden_matrix_names(s))
+            ps = [p for n, p in s.named_parameters() if n in hidden and p.requires_grad]
+            params += ps
+            pre = adam_preconditioner(o, ps) if precond is not None else None
+            precond = None if pre is None else precond + pre
+        key = tuple(id(p) for p in params)
+        if sharp_state.get("key") != key:  # first call, or blocks unlocked: new parameter set
+            sharp_state.update(key=key, tracker=SharpnessTracker(params, max_iters=5, seed=m.run.seed))
+        ids = batches.batch(0).to(device)
+
+        def loss_fn():
+            x = None
+            for s in stages:
+                x = s(x, ids)
+            return lm_loss(x.float(), ids)
+
+        return float(sharp_state["tracker"].measure(loss_fn, precond=precond))
+
     jlog = open(json_log, "a", encoding="utf-8") if json_log else None
     display = _Progress(progress and not quiet, steps)
     loss_hist: list[tuple[int, float]] = []
@@ -266,6 +296,14 @@ def train(
             loss_hist.append((step, loss_val))
             bpt = {k: v / (B * L * accum) for k, v in bnd.items()}
 
+            sharp = None
+            if sharp_every and step % sharp_every == 0:
+                sharp = measure_sharpness()
+                sharp_hist.append((step, sharp))
+                if not quiet:
+                    log.info("step %d: preconditioned sharpness %.4g (adaptive edge of stability 2(1+b1)/((1-b1)lr)"
+                             " = %.4g)", step, sharp, (2 + 2 * m.optim.betas[0]) / ((1 - m.optim.betas[0]) * lr))
+
             val = None
             if (m.train.val_every and step % m.train.val_every == 0) or step == steps:
                 val = evaluate()
@@ -281,6 +319,8 @@ def train(
                            "boundary_bytes_per_token": bpt, "time": time.time()}
                     if val is not None:
                         rec["val_loss"] = val
+                    if sharp is not None:
+                        rec["sharpness"] = sharp
                     jlog.write(json.dumps(rec) + "\n")
                     jlog.flush()
             if checkpoint_dir is not None and (
@@ -305,6 +345,7 @@ def train(
         "steps": step,
         "loss_history": loss_hist,
         "val_history": val_hist,
+        "sharpness_history": sharp_hist,
         "val_loss": val_hist[-1][1] if val_hist else None,
         "loss_start": sum(head) / len(head) if head else None,
         "loss_end": sum(tail) / len(tail) if tail else None,

@@ -131,3 +131,15 @@ def test_architecture_warmup_locks_then_unlocks(test_manifest, corpus):
     writer = grown[1].blocks[0].attn.out_proj.weight
     assert grown[1].blocks[0].active and writer.abs().sum() > 0
     assert not torch.equal(grown[1].blocks[0].attn.qkv_proj.weight, init["blocks.0.attn.qkv_proj.weight"])
+
+
+@pytest.mark.timeout(120)
+def test_sharpness_tracked_every_n_steps(test_manifest, corpus, tmp_path):
+    m = test_manifest.replace(warmup={"sharpness_every": 3})
+    log = tmp_path / "train.jsonl"
+    r = train(m, steps=6, corpus=corpus, json_log=str(log), log_every=3, quiet=True)
+    steps = [s for s, _ in r["sharpness_history"]]
+    assert steps == [3, 6]
+    assert all(math.isfinite(v) and v > 0 for _, v in r["sharpness_history"])
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [rec["step"] for rec in recs if "sharpness" in rec] == [3, 6]
