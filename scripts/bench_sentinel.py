@@ -184,6 +184,7 @@ class Tally:
         self.sends: dict[str, int] = {}
         self.ban_sends: dict[str, int] = {}
         self.reasons: dict[str, int] = {}
+        self.by_dir = {"act": [0, 0], "grad": [0, 0]}  # malicious tensors: [rejected, seen]
 
     def add(self, sender: str, direction: str, malicious: bool, verdict, step: int) -> None:
         if step < self.attack_start:
@@ -192,6 +193,8 @@ class Tally:
         if malicious:
             self.tp += rejected
             self.fn += not rejected
+            self.by_dir[direction][0] += rejected
+            self.by_dir[direction][1] += 1
             if rejected:
                 self.reasons[verdict.reason] = self.reasons.get(verdict.reason, 0) + 1
         else:
@@ -216,6 +219,7 @@ class Tally:
             "banned_malicious": sorted(s for s in malicious if s in self.first_ban),
             "banned_honest": sorted(s for s in self.first_ban if s not in malicious),
             "tensors": {"tp": self.tp, "fn": self.fn, "fp": self.fp, "tn": self.tn},
+            "recall_by_direction": {d: round(r / n, 4) if n else None for d, (r, n) in self.by_dir.items()},
             "reasons": dict(sorted(self.reasons.items(), key=lambda kv: -kv[1])),
         }
 
@@ -232,6 +236,7 @@ def detection(args) -> dict:
     clean_counts = {"body:act": [0, 0], "body:grad": [0, 0], "tail:act": [0, 0], "head:grad": [0, 0]}
     clean_bans = {p: BanList(flags_to_ban=m.sentinel.flags_to_ban, memory=BAN_MEMORY) for p in clean_counts}
     honest_banned = set()
+    clean_rejections = []
 
     cases = {name: (name, {}, True) for name in ATTACKS}
     if not args.no_variants:
@@ -284,6 +289,8 @@ def detection(args) -> dict:
             if v.basis not in ("warmup", "basic"):
                 clean_counts[point][0] += not v.accept
                 clean_counts[point][1] += 1
+                if not v.accept:
+                    clean_rejections.append([step, point, v.reason, round(v.score, 2)])
                 if clean_bans[point].record(sender, not v.accept, float(step)):
                     honest_banned.add(f"{point}:{sender}")
 
@@ -313,6 +320,7 @@ def detection(args) -> dict:
         "fpr": round(rejected / judged, 5) if judged else None,
         "fpr_by_point": {p: round(c[0] / c[1], 5) if c[1] else None for p, c in clean_counts.items()},
         "fpr_tensors": judged,
+        "clean_rejections": clean_rejections[:40],
         "honest_bans_clean": sorted(honest_banned),
         "overhead_frac": round(statistics.median(t_verify) / statistics.median(t_body), 5),
         "verify_ms_per_microbatch": round(1e3 * statistics.median(t_verify), 3),
