@@ -216,6 +216,7 @@ class TokenTable:
     @staticmethod
     def keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor]:
         """Token vectors (N, k) and their bucket keys (N,) for this direction."""
+        ids = ids.to(x.device)
         if direction == "grad":
             x, ids = x[:, :-1], ids[:, 1:]
         return x.reshape(-1, x.shape[-1]), ids.reshape(-1).long().remainder(buckets)
@@ -388,7 +389,7 @@ class Sentinel:
       with tensors subtle enough to be accepted — with a mean over all traffic instead, the
       accepted part of a subtle attack dragged the reference toward itself and made the
       honest look deviant (bias attack F1 0.73 -> 0.87 on the default model, scaling x1.5
-      0 -> 0.69, at the same false-positive rate).
+      0 -> 0.69, false-positive rate 1.2% -> 0.3%).
     - **Fences**: each sender keeps the distances of its last ``sender_window`` accepted
       tensors; the fence of a distance is the median over active senders of their own Tukey
       fences (Q3 + κ·IQR), once three senders have ``sender_min`` values — again a minority

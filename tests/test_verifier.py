@@ -60,6 +60,15 @@ def test_sentinel_verifier_from_manifest_and_disabled():
     assert off.verify("p", "act", x * 50, ids=ids).accept
 
 
+def test_bf16_payloads_are_judged():
+    v = SentinelVerifier(K)
+    for i in range(14):
+        x, ids = good(seed=i)
+        assert v.verify("p", "grad", x.to(torch.bfloat16), ids=ids, mb=i).accept
+    x, ids = good(seed=50)
+    assert not v.verify("p", "grad", (x * 40).to(torch.bfloat16), ids=ids, mb=50).accept
+
+
 def test_replayed_payload_and_reasons_listed():
     from security.verifier import BASIC_REASONS, SENTINEL_REASONS
 
