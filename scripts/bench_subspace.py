@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default="dense,subspace", help="comma list of dense,subspace")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=None, help="override run.seed (init, U, T and data order)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (test manifest, few steps)")
     return p.parse_args(argv)
 
@@ -88,6 +89,7 @@ def settings_manifest(args):
         optim={"lr": args.lr} if args.lr else {},
         schedule={"total_steps": steps, "warmup_steps": warmup},
         train={"steps": steps, "val_batches": args.val_batches or m.train.val_batches},
+        run={"seed": args.seed} if args.seed is not None else {},
     )
     return m
 
