@@ -84,11 +84,26 @@ class StagesConfig:
         return len(self.layout)
 
 
+# Betas an optimizer gets when the manifest omits them. NAdam (the default pipeline optimizer,
+# papers.md §2) uses a long first-moment memory, 0.99: under asynchronous stale gradients the
+# momentum averages over the delay; AdamW/Adam keep the short-run LM defaults 0.9, 0.95. The
+# others (sgd, muon, numuon: their aux AdamW groups) keep 0.9, 0.95 as before.
+DEFAULT_BETAS = {"nadam": (0.99, 0.999), "adamw": (0.9, 0.95), "adam": (0.9, 0.95)}
+_OTHER_BETAS = (0.9, 0.95)
+
+
+def default_betas(name: str) -> tuple[float, float]:
+    """The betas ``optim.name`` gets when ``optim.betas`` is omitted."""
+    return DEFAULT_BETAS.get(name, _OTHER_BETAS)
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "nadam"
     lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 0.95)
+    # () = omitted: resolved to default_betas(name) at construction, so the hashed manifest
+    # always holds the betas actually used (explicit and implied defaults hash the same)
+    betas: tuple[float, ...] = ()
     eps: float = 1e-8
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -101,6 +116,10 @@ class OptimConfig:
     rank_decay_end_frac: float = 0.8
     # the optimizer used by muon / numuon for embeddings, head and gains
     aux_lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        if not self.betas:
+            object.__setattr__(self, "betas", default_betas(self.name))
 
 
 @dataclass(frozen=True)
@@ -294,6 +313,10 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
                 raise ManifestError(
                     f"{section}.{name}: unknown field; known: {', '.join(sorted(known))}"
                 )
+            if (section, name) == ("optim", "betas") and isinstance(value, (list, tuple)) and not value:
+                # an empty list would silently mean "the optimizer's default"; omit the field instead
+                raise ManifestError("optim.betas: expected two numbers in [0, 1), got []; "
+                                    "omit the field for the optimizer's default")
             kwargs[name] = _coerce(section, name, getattr(defaults, name), value)
         sections[section] = cls(**kwargs)
     manifest = Manifest(**sections)
