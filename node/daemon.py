@@ -301,9 +301,7 @@ class Node:
             rng=new_microbatch_rng(self.cfg.seed),
         )
         if self.cfg.attack:
-            from security.attacks import make_attack
-
-            self.runtime.attack = make_attack(self.cfg.attack, seed=self.cfg.seed)
+            self.runtime.attacks = make_attacks(self.cfg.attack, seed=self.cfg.seed)
             log.warning("TESTING: this node poisons what it sends with the %r attack", self.cfg.attack)
         self.restored = self.checkpoint is not None
         if self.checkpoint is not None:
@@ -543,6 +541,15 @@ class Node:
             stop_dht(self.dht, timeout=3.0)
         finally:
             fast_exit(1)
+
+
+def make_attacks(name: str, seed: int = 0, **params) -> dict:
+    """``--attack NAME`` (testing the verifier only): one attack instance per direction, ``act``
+    for what we send forward and ``grad`` for what we send back, so a stateful attack (``delayed``)
+    keeps a history of each and never replays an activation as a gradient."""
+    from security.attacks import make_attack
+
+    return {d: make_attack(name, seed=2 * seed + i, **params) for i, d in enumerate(("act", "grad"))}
 
 
 def make_verifier(manifest, index: int):

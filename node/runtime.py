@@ -8,8 +8,12 @@ Read with DESIGN.md, "One microbatch through the swarm". Per node:
 - **Inbound queues are bounded**: a ``fwd`` that finds ``queue_size`` forwards waiting is
   answered ``busy`` at once, and the sender's router tries another replica.
 - **Every accepted tensor passes the verifier first** (activations on ``fwd``, gradients on
-  ``bwd``), off the event loop on its own thread; verdicts are counted by reason, and a sender
-  flagged ``sentinel.flags_to_ban`` times is banned.
+  ``bwd``), off the event loop on its own thread with its own small torch thread count (so it
+  never competes with the compute worker for cores); verdicts are counted by reason, and a sender
+  flagged ``sentinel.flags_to_ban`` times among its last 20 verdicts is banned, routed around, and
+  forgotten by the verifier (a later return is judged afresh, as a newcomer). A next hop whose
+  *own output* the stage after it keeps rejecting (its ``skip: rejected-by-verifier``) collects
+  flags here the same way, so the stage before a poisoner stops sending it work too.
 - **Contexts**: for a microbatch in flight a stage keeps only its input, its route, the weights
   version it was forwarded with (``stages.asyncmesh.StageWeights``, the look-ahead snapshot the
   backward must recompute with) and the peer it went to. Each context has a TTL; a context whose
@@ -66,6 +70,12 @@ from stages.optim import lr_at, set_lr
 log = logging.getLogger("swarm_node.runtime")
 
 _MAX_U64 = 2**64 - 1
+
+# ``detail`` of a ``skip: rejected-by-verifier`` that a stage sends when the next stage refused its
+# OWN output; a stage that only passes a skip on marks it relayed, so upstream blames only the hop
+# whose tensors were actually refused (see ``StageRuntime._on_bwd``).
+OUTPUT_REJECTED = "output-rejected"
+RELAYED = "relayed"
 
 
 class QueueFull(Exception):
@@ -180,6 +190,7 @@ class RuntimeOptions:
     forward_deadline: float = 30.0  # seconds to find a replica that accepts a fwd
     use_amp: bool = False
     ban_flags_seconds: float = 60.0  # first ban for verifier flags (doubles per repeat ban)
+    verify_threads: int = 1  # torch intra-op threads of the verifier's thread (the compute worker keeps its own)
 
 
 class StageRuntime:
@@ -240,7 +251,10 @@ class StageRuntime:
         self._tokens_total = 0
         self.step_log = None  # a text file: one JSON object per optimizer step (``--json-log``)
         self.status_cache: dict = {}
-        self.attack = None  # security.attacks.Attack applied to what we send (verifier tests only)
+        # security.attacks.Attack per direction ("act": what we send forward, "grad": back), applied
+        # to what we send (verifier tests only); one instance each, so stateful attacks (delayed)
+        # never replay an activation as a gradient
+        self.attacks: dict = {}
         self._window_lock = threading.Lock()
         self._loss_ema: float | None = None
         self.last_loss: float | None = None
@@ -277,6 +291,7 @@ class StageRuntime:
         """Start the compute worker and serve our protocols (state stays as it is)."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        pin_torch_threads(self._verify_pool, self.opt.verify_threads)
         self.worker = ComputeWorker(loop, name=f"compute-stage{self.index}")
         self.metrics.attach_compute_busy(lambda: self.worker.busy_s)
         # per-protocol limits: a frame bigger than the largest valid one is refused before allocation
@@ -351,15 +366,44 @@ class StageRuntime:
             log.warning("%s keeps failing verification (%s) but is the only replica of its stage: not banned; "
                         "its flagged tensors are dropped", peer[-8:], verdict.reason)
         elif self.banlist.is_banned(peer, now) and peer not in self.router.banned():
-            until = self.banlist.banned(now).get(peer, now)
-            self.router.ban(peer, until - now, "verifier")
-            self.metrics.bans.labels(cause="verifier").inc()
-            log.warning("banned %s for %.0f s: its %s tensors keep failing verification (%s)", peer, until - now,
-                        direction, verdict.reason)
+            self._ban_flagged(peer, now, "verifier", f"its {direction} tensors keep failing verification "
+                                                     f"({verdict.reason})")
         elif not verdict.accept:
             log.warning("verifier rejected %s from %s: %s (score %.2f)", direction, peer[-8:], verdict.reason,
                         float(getattr(verdict, "score", 0.0) or 0.0))
         return verdict
+
+    def _ban_flagged(self, peer: str, now: float, cause: str, why: str) -> None:
+        """``peer`` collected enough flags (``self.banlist`` banned it): route around it for the
+        ban's duration, and make the verifier forget it, so its references no longer vote in the
+        stage's median (with two replicas, half of it) and its return after the ban is judged
+        from its first tensor against the honest majority, as a newcomer."""
+        until = self.banlist.banned(now).get(peer, now)
+        self.router.ban(peer, until - now, cause)
+        self.metrics.bans.labels(cause=cause).inc()
+        forget = getattr(self.verifier, "forget", None)
+        if forget is not None:  # on the verifier's thread, after the verdicts already queued there
+            with contextlib.suppress(RuntimeError):  # the pool is shut down: we are stopping
+                self._verify_pool.submit(forget, peer)
+        log.warning("banned %s for %.0f s: %s", peer, until - now, why)
+
+    def _flag_downstream(self, peer: str, detail: str) -> None:
+        """The next stage refused the output of ``peer`` (our next hop), as ``peer`` itself reports
+        with a direct ``skip: rejected-by-verifier``. One flag in the same ban list as our own
+        verdicts on its gradients: without this, a replica whose activations are always refused
+        never returns a gradient for us to judge, and we would keep routing work into it."""
+        now = time.monotonic()
+        mostly_ok = self.banlist.flag_rate(peer) < 0.5
+        if not self.banlist.record(peer, True, now, reason="downstream"):
+            log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
+            return
+        if mostly_ok and self._last_replica(peer):
+            self.banlist.spare(peer, now)
+            log.warning("the next stage keeps refusing the output of %s but it is the only replica of its stage: "
+                        "not banned", peer[-8:])
+        elif peer not in self.router.banned():
+            self._ban_flagged(peer, now, "verifier-downstream",
+                              f"the next stage keeps refusing its output ({detail})")
 
     def _last_replica(self, peer: str) -> bool:
         """True if ``peer`` is the only online, unbanned replica of its stage that we know of."""
@@ -466,8 +510,8 @@ class StageRuntime:
 
     async def _send_fwd(self, ctx: Context, code: torch.Tensor) -> bool:
         """Send ``code`` to a replica of the next stage: retry elsewhere on busy/failure, drop at the deadline."""
-        if self.attack is not None:  # testing the verifier only (--attack, refused unless allowed)
-            code = self.attack(code, self.version).contiguous()
+        if "act" in self.attacks:  # testing the verifier only (--attack, refused unless allowed)
+            code = self.attacks["act"](code, self.version).contiguous()
         frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version, ctx.route, code, ctx.ids_wire)
         deadline = time.monotonic() + self.opt.forward_deadline
         tried: set[str] = set()
@@ -495,7 +539,9 @@ class StageRuntime:
                 self.metrics.request("fwd", e.reason, peer)
                 if e.reason == Reason.REJECTED_BY_VERIFIER.value:
                     # our own output was refused: do not push it elsewhere, tell upstream to skip it
-                    self._drop(ctx.mb, "rejected-downstream", skip=Reason.REJECTED_BY_VERIFIER)
+                    # (and that it was our output, so upstream can stop routing work to a poisoner)
+                    self._drop(ctx.mb, "rejected-downstream", skip=Reason.REJECTED_BY_VERIFIER,
+                               detail=f"{OUTPUT_REJECTED}: {e.detail}"[:200])
                     return False
                 log.warning("fwd mb %x rejected by %s: %s", ctx.mb, peer[-8:], e)
                 self.router.ban(peer, 30.0, e.reason)
@@ -557,7 +603,10 @@ class StageRuntime:
             raise ProtocolError(Reason.BAD_FRAME, "this microbatch was not sent to you")
         if bwd.skip is not None:
             self.metrics.served.labels(protocol="bwd", result="skip").inc()
-            self._drop(bwd.mb, f"skip-{bwd.skip}", skip=bwd.skip, detail=bwd.detail)
+            if bwd.skip == Reason.REJECTED_BY_VERIFIER.value and bwd.detail.startswith(OUTPUT_REJECTED):
+                self._flag_downstream(peer, bwd.detail)
+            detail = bwd.detail if bwd.detail.startswith(RELAYED) else f"{RELAYED}: {bwd.detail}"
+            self._drop(bwd.mb, f"skip-{bwd.skip}", skip=bwd.skip, detail=detail[:200])
             return make_ack(bwd.mb, self.index, self.version)
         if self.is_banned_sender(peer):
             self.metrics.served.labels(protocol="bwd", result="banned").inc()
@@ -734,8 +783,8 @@ class StageRuntime:
         if self.index == 0 or len(route) < self.index:
             return False
         peer = route[self.index - 1]
-        if grad is not None and self.attack is not None:
-            grad = self.attack(grad, self.version).contiguous()
+        if grad is not None and "grad" in self.attacks:
+            grad = self.attacks["grad"](grad, self.version).contiguous()
         frames = make_bwd(self.run_id, self.mhash, mb, self.index, self.version, route, grad,
                           skip=Reason(skip) if skip is not None else None, detail=detail)
         for attempt in range(6):
@@ -944,6 +993,24 @@ async def cancel_all(tasks: list, timeout: float = 5.0) -> None:
         for t in done:
             if not t.cancelled():
                 t.exception()  # retrieved, so asyncio does not log it again
+
+
+def pin_torch_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Give the one thread of ``pool`` its own torch intra-op thread count ``n``, leaving every
+    other thread's as it was. The verifier's many small ops gain nothing from more threads, and
+    with OpenMP workers spinning on cores the compute worker needs they were 20x slower on a
+    shared CPU (docs/SENTINEL.md). torch keeps the count per thread but seeds each thread's from
+    the last ``set_num_threads`` anywhere, so the caller's count is set back afterwards."""
+    if n <= 0:
+        return
+    own = torch.get_num_threads()
+
+    def pin():
+        torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo the next line
+        torch.set_num_threads(n)
+
+    pool.submit(pin).result()
+    torch.set_num_threads(own)
 
 
 def max_batch_for(manifest: Manifest) -> int:

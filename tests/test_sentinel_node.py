@@ -1,0 +1,179 @@
+"""The node's side of SENTINEL, in one process (node/runtime.py over the in-memory transport of
+tests/test_runtime.py): a ban makes the verifier forget the sender; the stage before a replica
+whose output keeps being refused stops routing work to it, and only the hop whose tensors were
+refused is blamed; attacks keep one instance per direction; the verifier's thread has its own
+torch thread count. The same ban flow over real streams is tests/test_sentinel_swarm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from node.runtime import pin_torch_threads
+from security.verifier import SentinelVerifier
+from tests.test_runtime import (
+    Net,
+    RecordingVerifier,
+    head_batches,
+    link,
+    make_runtime,
+    start_all,
+    stop_all,
+    value,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class ForgettingVerifier(RecordingVerifier):
+    """RecordingVerifier that also notes ``forget`` calls, and on which thread they ran."""
+
+    def __init__(self, reject=()):
+        super().__init__(reject=set(reject))
+        self.forgotten: list[tuple[str, str]] = []
+
+    def forget(self, sender):
+        self.forgotten.append((sender, threading.current_thread().name))
+
+
+def counted(rt, protocol="fwd", result="ack"):
+    return value(rt, "swarm_node_served_total", protocol=protocol, result=result)
+
+
+@pytest.mark.asyncio
+async def test_a_verifier_ban_makes_the_verifier_forget_the_sender(test_manifest):
+    m = test_manifest
+    net = Net()
+    verifier = ForgettingVerifier(reject={"head"})
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=1)
+    body = make_runtime(m, 1, "body", net, verifier=verifier)
+    link([head, body])
+    await start_all([head, body])
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: body.router.is_banned("head") and verifier.forgotten, timeout=30)
+    finally:
+        drive.cancel()
+        await stop_all([head, body])
+    assert verifier.forgotten == [("head", verifier.forgotten[0][1])]
+    assert verifier.forgotten[0][1].startswith("verify")  # off the event loop, after queued verdicts
+
+
+def test_forget_drops_the_senders_references_so_it_returns_as_a_newcomer():
+    v = SentinelVerifier(8, seq_len=16)
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        for sender in ("a", "b"):
+            x = torch.randn(2, 16, 8, generator=g)
+            v.verify(sender, "act", x, ids=torch.randint(0, 256, (2, 16), generator=g), mb=(sender, i))
+    assert set(v.sentinel.peer_report("act")) == {"a", "b"}
+    v.forget("b")
+    assert set(v.sentinel.peer_report("act")) == {"a"}
+
+
+@pytest.mark.asyncio
+async def test_upstream_stops_routing_to_a_replica_whose_output_is_refused(test_manifest):
+    """Two body replicas; the tail refuses everything b2 sends. b2 reports each refusal to the head
+    (skip: rejected-by-verifier, its own output): the tail bans b2 for its tensors, the head for
+    its refused output, b2 stops getting work, b1 carries the traffic and is banned by no one."""
+    m = test_manifest.replace(schedule={"warmup_steps": 2})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
+    b1 = make_runtime(m, 1, "b1", net, seed=1)
+    b2 = make_runtime(m, 1, "b2", net, seed=1)
+    v_tail = ForgettingVerifier(reject={"b2"})
+    tail = make_runtime(m, 2, "tail", net, verifier=v_tail)
+    rts = [head, b1, b2, tail]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: head.router.is_banned("b2") and tail.router.is_banned("b2"), timeout=60)
+        await asyncio.sleep(0.3)  # what was already on its way lands
+        b2_served, b1_steps, tail_steps = counted(b2), b1.version, tail.version
+        assert await wait_for(lambda: b1.version >= b1_steps + 10 and tail.version >= tail_steps + 10, timeout=60)
+        assert counted(b2) == b2_served  # no new work for the banned replica
+    finally:
+        drive.cancel()
+        await stop_all(rts)
+    flags = m.sentinel.flags_to_ban
+    assert value(head, "swarm_node_bans_total", cause="verifier-downstream") == 1
+    assert value(tail, "swarm_node_bans_total", cause="verifier") == 1
+    assert value(tail, "swarm_node_verifier_verdicts_total", direction="act", verdict="reject") == flags
+    assert b2.version == 0  # it never got a gradient
+    assert not head.router.is_banned("b1") and not tail.router.is_banned("b1")
+    assert [p for p, _ in v_tail.forgotten] == ["b2"]
+
+
+@pytest.mark.asyncio
+async def test_a_relayed_refusal_blames_only_the_hop_whose_output_was_refused(test_manifest):
+    """Four stages; stage 3 refuses what s2a sends. Stage 1 (its direct upstream) bans s2a; it only
+    relays the skips to the head, which must not blame stage 1 for them."""
+    m = test_manifest.replace(model={"n_layers": 4}, stages={"layout": [[0, 1], [1, 2], [2, 3], [3, 4]]},
+                              schedule={"warmup_steps": 2})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
+    s1 = make_runtime(m, 1, "s1", net)
+    s2a = make_runtime(m, 2, "s2a", net, seed=2)
+    s2b = make_runtime(m, 2, "s2b", net, seed=2)
+    tail = make_runtime(m, 3, "tail", net, verifier=RecordingVerifier(reject={"s2a"}))
+    rts = [head, s1, s2a, s2b, tail]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: s1.router.is_banned("s2a"), timeout=60)
+        steps = tail.version
+        assert await wait_for(lambda: tail.version >= steps + 5, timeout=60)
+    finally:
+        drive.cancel()
+        await stop_all(rts)
+    assert value(s1, "swarm_node_bans_total", cause="verifier-downstream") == 1
+    assert value(s1, "swarm_node_served_total", protocol="bwd", result="skip") >= m.sentinel.flags_to_ban
+    assert value(head, "swarm_node_bans_total") == 0
+    assert head.banlist.flag_rate("s1") == 0.0
+    assert not head.router.banned()
+
+
+def test_attacks_are_one_instance_per_direction():
+    from node.daemon import make_attacks
+
+    attacks = make_attacks("delayed", seed=3, delay=1)
+    assert set(attacks) == {"act", "grad"} and attacks["act"] is not attacks["grad"]
+    act, grad = torch.full((1, 2, 8), 5.0), torch.full((1, 2, 8), 1e-4)
+    attacks["act"](act, 0)
+    attacks["grad"](grad, 0)
+    # each replays its own direction's history: never an activation as a gradient
+    assert torch.equal(attacks["act"](act * 2, 1), act)  # one shared instance would replay `grad` here
+    assert torch.equal(attacks["grad"](grad * 2, 1), grad)
+
+
+def test_the_verifier_thread_has_its_own_torch_thread_count():
+    torch.set_num_threads(2)
+    pool = ThreadPoolExecutor(1)
+    try:
+        pin_torch_threads(pool, 1)
+        assert pool.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2  # the caller's count is untouched
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [2]  # and so is that of threads started later (the compute worker)
+        assert pool.submit(lambda: (torch.randn(64, 64).sort(), torch.get_num_threads())[1]).result() == 1
+    finally:
+        pool.shutdown()
