@@ -12,8 +12,8 @@ Read with DESIGN.md, "One microbatch through the swarm". Per node:
   never competes with the compute worker for cores); verdicts are counted by reason, and a sender
   flagged ``sentinel.flags_to_ban`` times among its last 20 verdicts is banned, routed around, and
   forgotten by the verifier (a later return is judged afresh, as a newcomer). A next hop whose
-  *own output* the stage after it keeps rejecting (its ``skip: rejected-by-verifier``) collects
-  flags here the same way, so the stage before a poisoner stops sending it work too.
+  *own output* the stage after it refused several times in a row (its ``skip:
+  rejected-by-verifier``) is banned here too, so the stage before a poisoner stops sending it work.
 - **Contexts**: for a microbatch in flight a stage keeps only its input, its route, the weights
   version it was forwarded with (``stages.asyncmesh.StageWeights``, the look-ahead snapshot the
   backward must recompute with) and the peer it went to. Each context has a TTL; a context whose
@@ -244,6 +244,7 @@ class StageRuntime:
         self._reserved = 0  # fwd slots held by requests under verification
         self._tasks: set[asyncio.Task] = set()
         self._probing: set[str] = set()
+        self._downstream: dict[str, collections.deque] = {}  # next hop -> were its recent outputs refused?
         self._last_probe: dict[str, float] = {}
         self.banlist = BanList(flags_to_ban=manifest.sentinel.flags_to_ban, memory=max(20, manifest.sentinel.flags_to_ban),
                                base_s=self.opt.ban_flags_seconds)
@@ -387,23 +388,32 @@ class StageRuntime:
                 self._verify_pool.submit(forget, peer)
         log.warning("banned %s for %.0f s: %s", peer, until - now, why)
 
-    def _flag_downstream(self, peer: str, detail: str) -> None:
-        """The next stage refused the output of ``peer`` (our next hop), as ``peer`` itself reports
-        with a direct ``skip: rejected-by-verifier``. One flag in the same ban list as our own
-        verdicts on its gradients: without this, a replica whose activations are always refused
-        never returns a gradient for us to judge, and we would keep routing work into it."""
-        now = time.monotonic()
-        mostly_ok = self.banlist.flag_rate(peer) < 0.5
-        if not self.banlist.record(peer, True, now, reason="downstream"):
-            log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
+    def _downstream_outcome(self, peer: str, refused: bool, detail: str = "") -> None:
+        """What became of the output of ``peer`` (our next hop): the next stage refused it (``peer``
+        itself reports that with a direct ``skip: rejected-by-verifier``) or it got through (a
+        gradient came back from ``peer``). Without this a replica whose activations are always
+        refused never returns a gradient for us to judge, and we would keep routing work to it.
+
+        Its own rule, not flags in ``banlist``: ban when the last ``flags_to_ban + 2`` outputs were
+        ALL refused. A poisoner's are (it is banned after that many microbatches); an honest
+        replica's are refused at the next stage's false-positive rate, a few percent on the test
+        model, and mixing those into the 3-of-20 rule with our own false positives on its
+        gradients banned an honest replica in a real run, while 5 refusals in a row at 5% happen
+        once in ~3 million. The last replica of a stage is never banned this way (nothing to
+        route to instead; the next stage drops what it refuses anyway)."""
+        recent = self._downstream.setdefault(peer, collections.deque(maxlen=self.m.sentinel.flags_to_ban + 2))
+        recent.append(refused)
+        if not refused:
             return
-        if mostly_ok and self._last_replica(peer):
-            self.banlist.spare(peer, now)
-            log.warning("the next stage keeps refusing the output of %s but it is the only replica of its stage: "
-                        "not banned", peer[-8:])
-        elif peer not in self.router.banned():
-            self._ban_flagged(peer, now, "verifier-downstream",
-                              f"the next stage keeps refusing its output ({detail})")
+        log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
+        if len(recent) < recent.maxlen or not all(recent) or peer in self.router.banned() \
+                or self._last_replica(peer):
+            return
+        recent.clear()
+        now = time.monotonic()
+        self.banlist.ban(peer, now, reason="downstream")
+        self._ban_flagged(peer, now, "verifier-downstream",
+                          f"the next stage refused its last {recent.maxlen} outputs ({detail})")
 
     def _last_replica(self, peer: str) -> bool:
         """True if ``peer`` is the only online, unbanned replica of its stage that we know of."""
@@ -518,6 +528,12 @@ class StageRuntime:
         backoff = 0.02
         while time.monotonic() < deadline and ctx.mb in self.contexts and not self._stopping:
             peer = self.router.choose(self.index + 1, exclude=tried)
+            if peer is None and self._banned_by_next_stage():
+                # the next stage has banned us for what we send: our output is refused there, say so
+                # upstream now (it stops routing work to us) rather than at the deadline
+                self._drop(ctx.mb, "banned-downstream", skip=Reason.REJECTED_BY_VERIFIER,
+                           detail=f"{OUTPUT_REJECTED}: banned by the next stage")
+                return False
             if peer is None:
                 tried.clear()
                 await asyncio.sleep(backoff)
@@ -570,6 +586,13 @@ class StageRuntime:
             self._drop(ctx.mb, "no-next-hop", skip=Reason.BUSY)
         return False
 
+    def _banned_by_next_stage(self) -> bool:
+        """A replica of the next stage answered ``banned`` to us and its ban in our router (that
+        answer's cause) still runs."""
+        now = time.monotonic()
+        return any(p.ban_cause == Reason.BANNED.value and p.banned_until > now
+                   for p in self.router.stage_peers(self.index + 1, include_banned=True))
+
     def _peer_failed(self, peer: str, protocol: str, err: BaseException) -> None:
         seconds = self.router.on_failure(peer, "unreachable")
         self.metrics.request(protocol, "failed", peer)
@@ -604,7 +627,7 @@ class StageRuntime:
         if bwd.skip is not None:
             self.metrics.served.labels(protocol="bwd", result="skip").inc()
             if bwd.skip == Reason.REJECTED_BY_VERIFIER.value and bwd.detail.startswith(OUTPUT_REJECTED):
-                self._flag_downstream(peer, bwd.detail)
+                self._downstream_outcome(peer, True, bwd.detail)
             detail = bwd.detail if bwd.detail.startswith(RELAYED) else f"{RELAYED}: {bwd.detail}"
             self._drop(bwd.mb, f"skip-{bwd.skip}", skip=bwd.skip, detail=detail[:200])
             return make_ack(bwd.mb, self.index, self.version)
@@ -612,6 +635,7 @@ class StageRuntime:
             self.metrics.served.labels(protocol="bwd", result="banned").inc()
             self._drop(bwd.mb, "sender-banned", skip=Reason.BANNED)
             return make_reject(Reason.BANNED, "this peer is banned here", mb=bwd.mb)
+        self._downstream_outcome(peer, False)  # a gradient came back: the next stage took its output
         verdict = await self._verify(peer, "grad", bwd.grad, bwd.version, ctx.ids_wire, bwd.mb)
         if not verdict.accept:
             self.metrics.served.labels(protocol="bwd", result="rejected-by-verifier").inc()

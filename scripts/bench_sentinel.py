@@ -1,4 +1,4 @@
-"""SENTINEL benchmark: detection quality, false positives, overhead and damage, in one process.
+"""SENTINEL benchmark: detection quality, false positives, overhead and damage; one real swarm.
 
 A three-stage pipeline (head, body, tail) whose middle stage has R replicas, some malicious
 (default 3 of 8 = 37.5%: two insiders that turn at ``--attack-start`` plus one newcomer that joins
@@ -24,7 +24,15 @@ same swarm trained three times — clean; under the strongest attack with SENTIN
 tensors dropped, the microbatch skipped, senders banned and routed around); under it without
 SENTINEL (basic checks only) — and the validation loss of each.
 
-Prints one JSON object. ``--quick``: test manifest, 4 replicas with 1 malicious, short runs.
+Part 3, one real multi-process run (``--part real``, included in the default ``all``): a
+loopback swarm of ``swarm-node run`` processes (``node.attack_drill``, the scenario of
+tests/test_sentinel_swarm.py) on ``--real-manifest`` with ``--real-replicas`` middle replicas, the
+last of which joins with ``--attack`` = the strongest attack: when its neighbours ban it, what
+share of the stage's microbatches it served after the ban, whether any honest peer was banned,
+and the tail's steps and loss. Parts 1 and 2 simulate in one process; this one measures the node.
+
+Prints one JSON object. ``--quick``: test manifest, 4 replicas with 1 malicious, short runs, and
+no real run unless ``--part real`` asks for it.
 """
 
 from __future__ import annotations
@@ -82,7 +90,14 @@ def parse_args(argv=None):
                     "--pick-strongest run (val loss +4.7%% vs clean on the test model)")
     ap.add_argument("--pick-strongest", action="store_true",
                     help="part 2 first trains once per attack without SENTINEL and uses the most damaging")
-    ap.add_argument("--part", choices=("both", "detection", "damage"), default="both")
+    ap.add_argument("--part", choices=("all", "both", "detection", "damage", "real"), default="all",
+                    help="all: detection, damage and the real run; both: detection and damage")
+    ap.add_argument("--real-manifest", default="test", help="run manifest of the real swarm (part 3)")
+    ap.add_argument("--real-replicas", type=int, default=3, help="middle-stage replicas in part 3, one malicious")
+    ap.add_argument("--real-attack", default=None, choices=sorted(ATTACKS),
+                    help="attack in part 3 (default: --strongest)")
+    ap.add_argument("--real-observe", type=float, default=20.0, help="seconds watched after the ban in part 3")
+    ap.add_argument("--real-workdir", default="", help="keep part 3's logs here (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (with more, the verifier's small ops are ~20x slower "
                     "on an oversubscribed CPU: spinning OpenMP workers)")
@@ -93,6 +108,10 @@ def parse_args(argv=None):
         args.manifest, args.batch_size, args.steps, args.attack_start = "test", 4, 70, 30
         args.replicas, args.malicious = 4, 1
         args.val_steps, args.val_batches, args.val_batch_size, args.no_variants = 60, 2, 4, True
+    if args.quick and args.part == "all":
+        args.part = "both"
+    if args.real_replicas < 2:
+        ap.error("--real-replicas must be at least 2 (one honest, one malicious)")
     if args.malicious < 1 or args.malicious >= args.replicas / 2:
         ap.error("--malicious must be at least 1 and a minority of --replicas")
     if not 0 < args.attack_start < args.steps:
@@ -440,18 +459,49 @@ def damage(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------- part 3
+
+
+def real_run(args) -> dict:
+    """One real loopback swarm (node.attack_drill); its processes use one torch thread each."""
+    import shutil
+    import tempfile
+
+    from node.attack_drill import run_attack_drill
+
+    attack = args.real_attack or args.strongest
+    workdir = Path(args.real_workdir or tempfile.mkdtemp(prefix="bench-sentinel-real-"))
+    r = run_attack_drill(workdir, attack=attack, honest=args.real_replicas - 1, manifest=args.real_manifest,
+                         observe_s=args.real_observe, ban_timeout_s=90.0, ready_timeout_s=180.0,
+                         progress=lambda msg: print(f"bench_sentinel real: {msg}", file=sys.stderr, flush=True))
+    keep = ("steps", "time_to_ban_s", "steps_to_ban", "honest_banned", "malicious_share_after_ban", "loss_start",
+            "loss_end")
+    out = {k: r.get(k) for k in keep}
+    out["detail"] = {k: v for k, v in r.items() if k not in keep}
+    out["settings"] = {"manifest": args.real_manifest, "replicas": args.real_replicas, "malicious": 1,
+                       "attack": attack, "observe_s": args.real_observe, "processes": "bootstrap + 1 per node",
+                       "torch_threads_per_node": 1}
+    if not args.real_workdir and all(c == 0 for c in r["exit_codes"].values()):
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        out["settings"]["logs"] = str(workdir)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    det = detection(args) if args.part in ("both", "detection") else None
-    dmg = damage(args) if args.part in ("both", "damage") else None
+    det = detection(args) if args.part in ("all", "both", "detection") else None
+    dmg = damage(args) if args.part in ("all", "both", "damage") else None
+    real = real_run(args) if args.part in ("all", "real") else None
     result = {
         "attacks": det.pop("attacks") if det else None,
         "fpr": det.pop("fpr") if det else None,
         "overhead_frac": det.pop("overhead_frac") if det else None,
         "val_loss": {k: dmg[k] for k in ("clean", "attacked_with_sentinel", "attacked_without_sentinel")} if dmg else None,
         "val_loss_attack": dmg["attack"] if dmg else None,
+        "real_run": real,
         "targets_met": {},
         "detection": det,
         "damage": dmg,
@@ -468,6 +518,11 @@ def main(argv=None) -> int:
         vl = result["val_loss"]
         result["targets_met"]["with_sentinel_within_2pct"] = (
             math.isfinite(vl["attacked_with_sentinel"]) and vl["attacked_with_sentinel"] <= 1.02 * vl["clean"])
+    if real:
+        result["targets_met"]["real_run_banned_no_honest"] = (
+            real["time_to_ban_s"] is not None and real["honest_banned"] == 0
+            and real["malicious_share_after_ban"] == 0.0)
+    result["part"] = args.part
     print(json.dumps(result, indent=1))
     return 0
 

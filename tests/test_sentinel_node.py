@@ -89,7 +89,8 @@ def test_forget_drops_the_senders_references_so_it_returns_as_a_newcomer():
 async def test_upstream_stops_routing_to_a_replica_whose_output_is_refused(test_manifest):
     """Two body replicas; the tail refuses everything b2 sends. b2 reports each refusal to the head
     (skip: rejected-by-verifier, its own output): the tail bans b2 for its tensors, the head for
-    its refused output, b2 stops getting work, b1 carries the traffic and is banned by no one."""
+    its refused output (flags_to_ban + 2 refusals in a row), b2 stops getting work, b1 carries the
+    traffic and is banned by no one."""
     m = test_manifest.replace(schedule={"warmup_steps": 2})
     net = Net()
     head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
@@ -145,8 +146,31 @@ async def test_a_relayed_refusal_blames_only_the_hop_whose_output_was_refused(te
     assert value(s1, "swarm_node_bans_total", cause="verifier-downstream") == 1
     assert value(s1, "swarm_node_served_total", protocol="bwd", result="skip") >= m.sentinel.flags_to_ban
     assert value(head, "swarm_node_bans_total") == 0
-    assert head.banlist.flag_rate("s1") == 0.0
+    assert not any(any(outcomes) for outcomes in head._downstream.values())  # no refusal held against s1
     assert not head.router.banned()
+
+
+@pytest.mark.asyncio
+async def test_scattered_refusals_of_an_honest_replica_never_ban_it(test_manifest):
+    """Refusals mixed with delivered outputs (an honest replica at the next stage's false-positive
+    rate) do not ban; only flags_to_ban + 2 refusals in a row do, and never the last replica."""
+    net = Net()
+    head = make_runtime(test_manifest, 0, "head", net, batches=head_batches(test_manifest))
+    b1, b2 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2"))
+    link([head, b1, b2])
+    n = test_manifest.sentinel.flags_to_ban + 2
+    for i in range(200):
+        head._downstream_outcome("b1", i % 3 == 0)  # a third refused, never n in a row
+    assert not head.router.banned()
+    for _ in range(n - 1):
+        head._downstream_outcome("b1", True)
+    assert not head.router.is_banned("b1")
+    head._downstream_outcome("b1", True)
+    assert head.router.is_banned("b1") and head.is_banned_sender("b1")
+    for _ in range(3 * n):  # b2 is now the last replica of its stage: never banned this way
+        head._downstream_outcome("b2", True)
+    assert not head.router.is_banned("b2")
+    head._verify_pool.shutdown()
 
 
 def test_attacks_are_one_instance_per_direction():
