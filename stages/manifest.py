@@ -184,6 +184,7 @@ class WarmupConfig:
     groups: tuple[tuple[int, ...], ...] = ()
     unlock_steps: tuple[int, ...] = ()
     sharpness_every: int = 0  # 0 = off
+    ramp_steps: int = 0  # blend a newly unlocked block in linearly over this many steps (0 = off)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ steps with no coordination. After a restart from a checkpoint at step ``s`` buil
 ``step=s``: groups due by then are taken as already unlocked (their trained weights come from the
 checkpoint and are not touched).
 
-Ramp (our addition, ``ramp_steps > 0``). The model normalises every branch output
+Ramp (our addition, ``manifest.warmup.ramp_steps > 0``). The model normalises every branch output
 (``h + rmsnorm(branch)``, papers §1). ``rmsnorm(0) = 0`` exactly, so unlocking is
 function-preserving; but any non-zero branch output is renormalised to unit RMS, so without more
 care a branch jumps to full strength at its first update after unlock. Measured on the benchmark
@@ -88,14 +88,16 @@ class ArchWarmup:
     ``step``; call ``apply(step, optimizer)`` before each optimizer step's forward: it unlocks
     the groups that are due and returns the newly unlocked global layers (sorted). Pass the
     optimizer so any state it might hold for those parameters is dropped (they start fresh).
-    With ``manifest.warmup.enabled = false`` nothing is ever locked. ``ramp_steps > 0`` blends
-    each unlocked block in over that many steps (module docstring; ``gates`` holds the current
-    factors). In an asynchronous pipeline a recomputed backward sees the gate of the step it
+    With ``manifest.warmup.enabled = false`` nothing is ever locked. ``manifest.warmup.ramp_steps
+    > 0`` blends each unlocked block in over that many steps (module docstring; ``gates`` holds
+    the current factors); the ``ramp_steps`` argument overrides the manifest (tests, sweeps). In an asynchronous pipeline a recomputed backward sees the gate of the step it
     runs at, which may be one ramp increment past its forward's; use ``ramp_steps = 0`` where
     that matters.
     """
 
-    def __init__(self, manifest, module: nn.Module, step: int = 0, ramp_steps: int = 0):
+    def __init__(self, manifest, module: nn.Module, step: int = 0, ramp_steps: int | None = None):
+        if ramp_steps is None:
+            ramp_steps = manifest.warmup.ramp_steps
         if ramp_steps < 0:
             raise ValueError(f"ArchWarmup: ramp_steps must be >= 0, got {ramp_steps}")
         self.manifest = manifest

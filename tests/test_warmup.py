@@ -195,3 +195,49 @@ def test_ramp_blends_the_unlocked_block_in_linearly():
     # resuming inside a ramp window re-creates the gate
     other = ArchWarmup(m, build_model(m), step=4, ramp_steps=4)
     assert other.gates == {1: 0.5} and other.locked == {2}
+
+
+def test_ramp_steps_from_manifest_per_stage():
+    """``warmup.ramp_steps`` in the manifest drives the ramp (train-local and swarm stages build
+    ``ArchWarmup(m, stage)`` without arguments): at the unlock step every stage still computes
+    exactly the old function, and mid-ramp the chained stages equal the whole gated model."""
+    m = _manifest(groups=((1,), (2,)), unlock=(2, 4))
+    m = m.replace(warmup={"ramp_steps": 3})
+    assert m.warmup.ramp_steps == 3 and load_manifest("test").warmup.ramp_steps == 0
+    model = build_model(m)
+    full_arch = ArchWarmup(m, model)
+    assert full_arch.ramp_steps == 3
+    stages = [build_stage(m, i) for i in range(m.n_stages)]
+    archs = [ArchWarmup(m, s) for s in stages]
+    ids = _ids(3)
+
+    def chained():
+        x = None
+        for s in stages:
+            x = s(x, ids)
+        return x
+
+    with torch.no_grad():
+        before_full, before_chain = model(ids), chained()
+    full_arch.apply(2)
+    for a in archs:
+        a.apply(2)
+    assert full_arch.gates == {1: pytest.approx(1 / 3)} and archs[1].gates == full_arch.gates
+    with torch.no_grad():
+        assert torch.equal(model(ids), before_full)  # unlock: the function is unchanged
+        assert torch.equal(chained(), before_chain)
+        # make the unlocked branch non-zero so the gate matters, in both copies alike
+        for blk in (model.layers[1], stages[1].blocks[0]):
+            for proj in blk.output_projections():
+                proj.weight.copy_(torch.randn(proj.weight.shape, generator=torch.Generator().manual_seed(5)))
+        gated = model(ids)
+        assert torch.allclose(chained(), gated, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(gated, before_full, atol=1e-3)
+    full_arch.apply(3)
+    for a in archs:
+        a.apply(3)
+    assert full_arch.gates == {1: pytest.approx(2 / 3)}
+    with torch.no_grad():
+        assert torch.allclose(chained(), model(ids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="ramp_steps"):
+        ArchWarmup(m.replace(warmup={"ramp_steps": -1}), build_model(m))
