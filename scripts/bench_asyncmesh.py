@@ -84,7 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta1", type=float, default=0.99)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-inflight", type=int, default=0, help="head's microbatches in flight (0: manifest's)")
+    p.add_argument("--max-inflight", type=int, default=5,
+                   help="head's microbatches in flight, loss runs and real swarm alike (0: the manifest's); 5 "
+                   "keeps the loss runs' delays at (4, 2, 0) for S = 3, as 4 does, and hides the real runtime's "
+                   "per-hop latency better (docs/ASYNCMESH.md)")
     p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
     p.add_argument("--replicas", type=int, default=2, help="replicas R for the averaging runs")
     p.add_argument("--avg-fraction", type=float, default=0.05, help="p")
@@ -107,7 +110,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", choices=("pipeline", "averaging"), default=None)
     p.add_argument("--ablation", action="store_true",
                    help="also run sparse_moments (moments averaged, λ_m = 1) and sparse_lambda (λ = 1 + s/(P·H))")
-    p.add_argument("--variants", default="", help="comma-separated averaging variants to run (experiments)")
+    p.add_argument("--variants", default="",
+                   help="comma-separated averaging variants to run (experiments): full, sparse, sparse_corrected, "
+                   "sparse_moments, sparse_lambda, sparse_second (+ second moments, λ_v = β2^s), sparse_outer "
+                   "(+ outer Nesterov on the averaged slice)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="sparse_outer: outer learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="sparse_outer: outer Nesterov momentum")
+    p.add_argument("--avg-seeds", type=int, default=1,
+                   help="averaging runs per variant (seeds seed, seed+1, ...), averaged")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -321,15 +331,17 @@ def _busy_seconds(metrics: dict) -> float:
     return metric_sum(metrics, "swarm_node_compute_seconds_sum")
 
 
-def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5) -> dict:
+def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5, max_inflight: int = 0) -> dict:
     """busy/wall per stage of a real local swarm (bootstrap + one ``swarm-node run`` per stage on
     loopback): busy = growth of the compute worker's busy seconds (forward / backward / step) over
-    a window of ``seconds`` after ``warmup_steps`` tail steps."""
+    a window of ``seconds`` after ``warmup_steps`` tail steps. Also the mean measured delay τ per
+    stage over the window (``swarm_node_staleness_steps``), to check it against the loss runs'."""
     import tempfile
 
     from node.demo import LocalSwarm, metric_sum
 
-    mm = m.replace(asyncmesh={"mode": mode}, train={"steps": 1_000_000}, schedule={"total_steps": 1_000_000},
+    train = {"steps": 1_000_000, **({"max_inflight": max_inflight} if max_inflight else {})}
+    mm = m.replace(asyncmesh={"mode": mode}, train=train, schedule={"total_steps": 1_000_000},
                    sentinel={"enabled": False})
     with tempfile.TemporaryDirectory(prefix="bench_asyncmesh_") as tmp:
         path = Path(tmp) / f"{mode}.toml"
@@ -346,15 +358,19 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5) -> 
 
             def sample():
                 mets = [sw.metrics(n) for n in nodes]
+                tau = [(metric_sum(x, "swarm_node_staleness_steps_sum"), metric_sum(x, "swarm_node_staleness_steps_count"))
+                       for x in mets]
                 return (time.monotonic(), [_busy_seconds(x) for x in mets],
-                        metric_sum(mets[-1], "swarm_node_steps_total"))
+                        metric_sum(mets[-1], "swarm_node_steps_total"), tau)
 
-            t0, busy0, steps0 = sample()
+            t0, busy0, steps0, tau0 = sample()
             time.sleep(seconds)
-            t1, busy1, steps1 = sample()
+            t1, busy1, steps1, tau1 = sample()
     per_stage = [round((b1 - b0) / (t1 - t0), 4) for b0, b1 in zip(busy0, busy1)]
+    tau = [round((s1 - s0) / max(1.0, c1 - c0), 2) for (s0, c0), (s1, c1) in zip(tau0, tau1)]
     return {"per_stage": per_stage, "mean": round(statistics.fmean(per_stage), 4),
-            "tail_steps_per_s": round((steps1 - steps0) / (t1 - t0), 3), "window_s": round(t1 - t0, 1)}
+            "tail_steps_per_s": round((steps1 - steps0) / (t1 - t0), 3), "window_s": round(t1 - t0, 1),
+            "tau_measured": tau, "max_inflight": mm.train.max_inflight}
 
 
 # ------------------------------------------------------------------------------- averaging
@@ -379,8 +395,16 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
     params = [[p for p in mod.parameters() if p.requires_grad] for mod in models]
     n_elem = sum(p.numel() for p in params[0])
     sched = PartitionSchedule([p.shape for p in params[0]], args.avg_fraction, am.run.seed)
-    mom_on = variant in ("sparse_moments", "sparse_corrected")
-    corr = StalenessCorrection(variant == "sparse_corrected")
+    mom_on = variant in ("sparse_moments", "sparse_corrected", "sparse_second", "sparse_outer")
+    corr = StalenessCorrection(variant in ("sparse_corrected", "sparse_second", "sparse_outer"))
+    sq_on = variant == "sparse_second"
+    outer = None
+    if variant == "sparse_outer":
+        # DiLoCo-style outer optimizer per element, on the slice a round averages: the replicas'
+        # mean progress since the slice's last average is an outer (pseudo-)gradient, stepped with
+        # Nesterov momentum. The state is computed from averaged values only, so it is identical
+        # on every replica (same init).
+        outer = ([p.detach().clone() for p in params[0]], [torch.zeros_like(p) for p in params[0]])
     pending = []  # (apply_at_step, indices, param snaps, param avg, moment snaps, moment avg, start)
     bytes_total = 0
     group = 2 * (R - 1) / R  # butterfly all-reduce payload factor per peer
@@ -408,15 +432,20 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
             idx = sched.indices(rnd)
             snaps = [snapshot(params[r], idx) for r in range(R)]
             avg = torch.stack(snaps).mean(0)
-            msnaps = mavg = None
+            msnaps = mavg = vsnaps = vavg = None
             if mom_on:
                 msnaps = [snapshot(first_moments(opts[r], params[r])[0], idx) for r in range(R)]
                 mavg = torch.stack(msnaps).mean(0)
-            pending.append((done + args.avg_latency, idx, snaps, avg, msnaps, mavg, done))
-            bytes_total += group * 4 * sched.max_size * (2 if mom_on else 1)
+            if sq_on:
+                vsnaps = [snapshot(second_moments(opts[r], params[r]), idx) for r in range(R)]
+                vavg = torch.stack(vsnaps).mean(0)
+            if outer is not None:
+                avg = outer_step(outer, idx, avg, args.outer_lr, args.outer_momentum)
+            pending.append((done + args.avg_latency, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, done))
+            bytes_total += group * 4 * sched.max_size * (1 + mom_on + sq_on)
             rnd += 1
         while pending and pending[0][0] <= done:
-            _, idx, snaps, avg, msnaps, mavg, start = pending.pop(0)
+            _, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, start = pending.pop(0)
             s = done - start
             for r in range(R):
                 lam = 1.0 + s / (sched.n_partitions * args.avg_every) if variant == "sparse_lambda" else 1.0
@@ -426,6 +455,9 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
                     lam_m = corr.moment_lambdas(s, decays) if corr.enabled else [1.0] * len(decays)
                     lams.append(statistics.fmean(lam_m))
                     apply_average_delta(moments, idx, msnaps[r], mavg, lam_m)
+                if vavg is not None:
+                    b2 = float(opts[r].param_groups[0]["betas"][1])
+                    apply_average_delta(second_moments(opts[r], params[r]), idx, vsnaps[r], vavg, b2 ** s)
         if step % 50 == 0:
             progress(f"averaging {variant}: step {step} loss {loss.item():.3f}")
     losses = []
@@ -437,6 +469,25 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
         "bytes_per_replica": int(bytes_total),
         "mean_moment_lambda": round(statistics.fmean(lams), 4) if lams else None,
     }
+
+
+def second_moments(optimizer, params) -> list:
+    """Adam's ``exp_avg_sq`` per parameter (None before the first step)."""
+    return [(optimizer.state.get(p) or {}).get("exp_avg_sq") for p in params]
+
+
+@torch.no_grad()
+def outer_step(outer, idx, avg: torch.Tensor, lr: float, momentum: float) -> torch.Tensor:
+    """Nesterov outer step on one slice: Δ = g_prev − avg, u ← μ·u + Δ, g = g_prev − lr·(Δ + μ·u).
+    Updates the outer state (g_prev, u) on the slice; returns g, the value the replicas move to."""
+    g_prev, u = outer
+    gp, uu = snapshot(g_prev, idx), snapshot(u, idx)
+    delta = gp - avg
+    uu_new = momentum * uu + delta
+    g = gp - lr * (delta + momentum * uu_new)
+    apply_average_delta(u, idx, uu, uu_new)  # u[S] ← uu_new
+    apply_average_delta(g_prev, idx, gp, g)  # g_prev[S] ← g
+    return g
 
 
 class _Whole(torch.nn.Module):
@@ -511,22 +562,24 @@ def main(argv=None) -> int:
         if args.runtime_seconds > 0:
             rm = load_manifest(args.manifest)  # the manifest's own model: the default run, not the small one
             rt = {
-                "async": runtime_utilisation(rm, "lookahead", args.runtime_seconds),
-                "gpipe": runtime_utilisation(rm, "gpipe", args.runtime_seconds),
+                "async": runtime_utilisation(rm, "lookahead", args.runtime_seconds, max_inflight=inflight),
+                "gpipe": runtime_utilisation(rm, "gpipe", args.runtime_seconds, max_inflight=inflight),
             }
-            if args.runtime_more_inflight and args.more_inflight not in (0, rm.train.max_inflight):
+            if args.runtime_more_inflight and args.more_inflight not in (0, inflight):
                 rt[f"async_max_inflight_{args.more_inflight}"] = runtime_utilisation(
-                    rm.replace(train={"max_inflight": args.more_inflight}), "lookahead", args.runtime_seconds)
+                    rm, "lookahead", args.runtime_seconds, max_inflight=args.more_inflight)
             out["utilisation"] = {
                 **{k: v["mean"] for k, v in rt.items()},
                 **{f"{k}_per_stage": v["per_stage"] for k, v in rt.items()},
                 "tail_steps_per_s": {k: v["tail_steps_per_s"] for k, v in rt.items()},
+                "tau_measured": {k: v["tau_measured"] for k, v in rt.items()},
+                "max_inflight": {k: v["max_inflight"] for k, v in rt.items()},
                 "source": "real local swarm (node.demo.LocalSwarm: bootstrap + one swarm-node run per stage, "
                 "loopback, 1 torch thread each): compute-worker busy seconds / wall seconds over "
                 f"{args.runtime_seconds:g} s; on a shared CPU, time a compute call waits for a core counts as busy",
                 "model": f"{args.manifest} manifest as shipped (d_model {rm.model.d_model}, "
                 f"{rm.model.n_layers} layers, seq_len {rm.model.seq_len}, batch {rm.data.batch_size}, "
-                f"max_inflight {rm.train.max_inflight}, gpipe_flush_every {rm.asyncmesh.gpipe_flush_every}), "
+                f"max_inflight {inflight}, gpipe_flush_every {rm.asyncmesh.gpipe_flush_every}), "
                 "SENTINEL off",
                 "simulated": simulated,
             }
@@ -539,11 +592,19 @@ def main(argv=None) -> int:
         if args.variants:
             variants = args.variants.split(",")
         avg_runs = {}
+        avg_seeds = [args.seed + i for i in range(max(1, args.avg_seeds))]
         for v in variants:
-            avg_runs[v] = run_averaging(m, v, corpus, val, args)
+            runs = [run_averaging(m, v, corpus, val, argparse.Namespace(**{**vars(args), "seed": sd}))
+                    for sd in avg_seeds]
+            avg_runs[v] = {"val_loss": statistics.fmean(r["val_loss"] for r in runs),
+                           "val_loss_per_seed": [round(r["val_loss"], 4) for r in runs],
+                           "val_loss_per_replica": [r["val_loss_per_replica"] for r in runs],
+                           "bytes_per_replica": runs[0]["bytes_per_replica"],
+                           "mean_moment_lambda": runs[0]["mean_moment_lambda"]}
         out["averaging_val_loss"] = {
             ("full_every_step" if k == "full" else k): round(v["val_loss"], 4) for k, v in avg_runs.items()
         }
+        out["averaging_val_loss_per_seed"] = {k: v["val_loss_per_seed"] for k, v in avg_runs.items()}
         out["averaging_val_loss_per_replica"] = {k: v["val_loss_per_replica"] for k, v in avg_runs.items()}
         out["avg_bytes_per_replica"] = {k: v["bytes_per_replica"] for k, v in avg_runs.items()}
         out["mean_moment_lambda"] = {k: v["mean_moment_lambda"] for k, v in avg_runs.items() if k != "full"}
@@ -551,6 +612,10 @@ def main(argv=None) -> int:
             full = avg_runs["full"]
             out["averaging_gap_rel"] = {
                 k: round(v["val_loss"] / full["val_loss"] - 1, 4) for k, v in avg_runs.items() if k != "full"
+            }
+            out["averaging_gap_rel_per_seed"] = {
+                k: [round(a / b - 1, 4) for a, b in zip(v["val_loss_per_seed"], full["val_loss_per_seed"])]
+                for k, v in avg_runs.items() if k != "full"
             }
             if CORRECTED in avg_runs:
                 out["sparse_avg_gap_rel"] = out["averaging_gap_rel"][CORRECTED]
@@ -573,6 +638,7 @@ def main(argv=None) -> int:
         "gpipe_loss_runs": "delay 0 (synchronous), same batch per step as async",
         "replicas": args.replicas, "avg_fraction": args.avg_fraction, "avg_every": args.avg_every,
         "avg_latency_steps": args.avg_latency, "avg_optim": args.avg_optim,
+        "avg_seeds": list(range(args.seed, args.seed + max(1, args.avg_seeds))),
         "replica_data": "disjoint contiguous shards" if args.disjoint_shards else "independent samples of the corpus",
         "avg_correction": "first moments averaged on the same slice, delta scaled by beta^s (StalenessCorrection)",
         "val_batches": args.val_batches, "seed": args.seed, "torch_threads": args.threads,
