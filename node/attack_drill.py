@@ -53,10 +53,6 @@ def _served(sw: LocalSwarm, node: NodeProc) -> float:
     return sw.value(node, "swarm_node_served_total", protocol="fwd", result="ack")
 
 
-def _bans(metrics: dict) -> float:
-    return sum(metric_sum(metrics, "swarm_node_bans_total", cause=c) for c in BAN_CAUSES)
-
-
 def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: int = 1, manifest: str = "test",
                      sentinel: dict | None = None, observe_s: float = 15.0, ban_timeout_s: float = 60.0,
                      ready_timeout_s: float = 120.0, torch_threads: int = 1, progress=None) -> dict:
@@ -86,7 +82,8 @@ def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: in
         steps_at_join = sw.value(tail, "swarm_node_steps_total")
         say(f"malicious replica online at tail step {steps_at_join:.0f}")
 
-        # ---- until a neighbour bans it, and the head (which routes the work) does
+        # ---- until a neighbour bans it (its logs name the peer), and the head (which routes) does
+        bad_id = peer_id_of(bad) or "?"
         t_first = steps_first = None
         t_ban = steps_ban = t_head = None
         deadline = time.monotonic() + ban_timeout_s
@@ -94,10 +91,10 @@ def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: in
             now = time.monotonic()
             if t_first is None and _served(sw, bad) > 0:
                 t_first, steps_first = now, sw.value(tail, "swarm_node_steps_total")
-            head_bans = _bans(sw.metrics(head))
-            if t_ban is None and _bans(sw.metrics(tail)) + head_bans > 0:
+            head_banned = banned_in_logs(head, bad_id) > 0
+            if t_ban is None and (head_banned or banned_in_logs(tail, bad_id) > 0):
                 t_ban, steps_ban = now, sw.value(tail, "swarm_node_steps_total")
-            if head_bans > 0:
+            if head_banned:
                 t_head = now
             if any(n.proc.poll() is not None for n in sw.nodes):
                 break
