@@ -27,6 +27,7 @@ KNOWN_OPTIMIZERS = ("adamw", "adam", "nadam", "sgd", "muon", "numuon")
 KNOWN_SCHEDULES = ("constant", "cosine", "linear")
 KNOWN_DATA_SOURCES = ("stdlib", "text", "hf")
 KNOWN_PIPELINE_MODES = ("lookahead", "none", "gpipe")
+KNOWN_BLOCK_NORMS = ("peri", "pre")
 
 
 class ManifestError(ValueError):
@@ -51,6 +52,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    # where the weightless RMSNorms sit in a block: "peri" (default; input and branch output,
+    # h + rmsnorm(f(rmsnorm(h))), papers §1) or "pre" (the standard pre-norm block,
+    # h + f(rmsnorm(h)); benchmark variant, scripts/bench_optim.py warm-up experiment)
+    block_norm: str = "peri"
 
     @property
     def head_dim(self) -> int:
@@ -171,6 +176,7 @@ class SentinelConfig:
     window: int = 64
     kappa: float = 3.0
     flags_to_ban: int = 3
+    ban_margin: float = 0.5  # a flag counts (score − 1)/ban_margin toward a ban, in [0.25, 1]; 0: every flag 1
     replace_rejected_grad: bool = False
     allow_attacks: bool = False
 
@@ -371,6 +377,10 @@ def validate_manifest(m: Manifest) -> None:
         raise ManifestError(f"model: head_dim={md.head_dim} must be even for RoPE")
     if md.ffn_hidden < 0:
         raise ManifestError(f"model.ffn_hidden: must be >= 0, got {md.ffn_hidden}")
+    if md.block_norm not in KNOWN_BLOCK_NORMS:
+        raise ManifestError(
+            f"model.block_norm: unknown placement {md.block_norm!r}; known: {', '.join(KNOWN_BLOCK_NORMS)}"
+        )
     if md.vocab_size > 2**31 - 1:
         raise ManifestError("model.vocab_size: too large")
     sub = m.subspace
@@ -445,6 +455,8 @@ def validate_manifest(m: Manifest) -> None:
         raise ManifestError("sentinel.beta_act / sentinel.beta_grad: must be in (0, 1)")
     if se.window < 4 or se.n_projections <= 0 or se.flags_to_ban <= 0:
         raise ManifestError("sentinel: window >= 4, n_projections > 0, flags_to_ban > 0 required")
+    if not se.ban_margin >= 0:
+        raise ManifestError(f"sentinel.ban_margin: must be >= 0 (0: every flag counts fully), got {se.ban_margin}")
     w = m.warmup
     if w.enabled:
         if len(w.groups) != len(w.unlock_steps):

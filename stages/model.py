@@ -17,6 +17,14 @@ constrained stage ``h = T[x] + U·c`` and the boundary codec (stages/subspace.py
 tail's blocks are constrained only if ``subspace.constrain_tail`` (nothing leaves the tail but a
 loss). Positions enter only through RoPE, never through an additive table.
 
+Pre-norm variant (``model.block_norm = "pre"``; the default is ``"peri"``, the block above):
+the standard pre-norm block ``h ← h + Attn(rmsnorm(h))``, ``h ← h + FFN(rmsnorm(h))``. The
+writers still output vectors in span(U), so the subspace invariant and the exact codec hold
+unchanged; what changes is that a branch's contribution is no longer renormalised to RMS 1, so
+the residual stream grows with depth and so does curvature. It exists as the setting of the
+architecture warm-up benchmark (papers §5 studies standard pre-norm transformers; the peri-norm
+model barely spikes at any lr we tried, scripts/bench_optim.py).
+
 Dense variant (``subspace.enabled = false``): unconstrained writers and a full-width learned
 embedding on top of the same frozen table, ``h0 = T[x] + E[x]``, so dense and subspace differ
 only in the constraint. (Equivalent to a learned embedding initialised at T whose T part is
@@ -165,20 +173,24 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer with post-branch weightless RMSNorm (keeps h in T[x] + span(U)).
+    """One decoder layer with post-branch weightless RMSNorm (keeps h in T[x] + span(U)), or
+    with ``pre_norm = True`` the standard pre-norm layer (no norm on the branch output).
 
     ``active = False`` makes the block an exact identity (architecture warm-up skips it).
     ``constrained`` says whether its writers are ``U·Z``.
 
-    Zeroing ``output_projections()`` also makes the block an identity (rmsnorm(0) = 0), but not
-    a gentle one: the post-branch norm's Jacobian at 0 is I/sqrt(eps), so the first update gives
-    the branch its full RMS-1 output at once (Adam's step is sign-like, so it stays finite).
+    Zeroing ``output_projections()`` also makes the block an identity (rmsnorm(0) = 0), but in
+    the peri-norm block not a gentle one: the post-branch norm's Jacobian at 0 is I/sqrt(eps),
+    so the first update gives the branch its full RMS-1 output at once (Adam's step is
+    sign-like, so it stays finite). In the pre-norm block the branch grows with its writers.
     """
 
-    def __init__(self, d: int, n_heads: int, ffn_dim: int, eps: float, k: int | None, layer: int):
+    def __init__(self, d: int, n_heads: int, ffn_dim: int, eps: float, k: int | None, layer: int,
+                 pre_norm: bool = False):
         super().__init__()
         self.layer = layer  # global layer index
         self.eps = eps
+        self.pre_norm = pre_norm
         self.constrained = k is not None
         self.active: bool = True
         self.attn = Attention(d, n_heads, k)
@@ -191,12 +203,16 @@ class Block(nn.Module):
     def forward(self, h: Tensor, rope: tuple[Tensor, Tensor], U: Tensor | None = None) -> Tensor:
         if not self.active:
             return h
+        if self.pre_norm:
+            h = h + self.attn(rmsnorm(h, self.eps), rope, U)
+            return h + self.mlp(rmsnorm(h, self.eps), U)
         h = h + rmsnorm(self.attn(rmsnorm(h, self.eps), rope, U), self.eps)
         h = h + rmsnorm(self.mlp(rmsnorm(h, self.eps), U), self.eps)
         return h
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, constrained={self.constrained}, active={self.active}"
+        norm = "pre" if self.pre_norm else "peri"
+        return f"layer={self.layer}, norm={norm}, constrained={self.constrained}, active={self.active}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +231,7 @@ def is_constrained_layer(manifest, layer: int) -> bool:
 def _make_block(manifest, layer: int) -> Block:
     md = manifest.model
     k = manifest.k if is_constrained_layer(manifest, layer) else None
-    return Block(md.d_model, md.n_heads, md.ffn_dim, md.norm_eps, k, layer)
+    return Block(md.d_model, md.n_heads, md.ffn_dim, md.norm_eps, k, layer, pre_norm=md.block_norm == "pre")
 
 
 def _make_embedding(manifest) -> TokenEmbedding:

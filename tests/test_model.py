@@ -56,10 +56,13 @@ def _variants(m):
         "subspace-constrained-tail": m.replace(subspace={"constrain_tail": True}),
         "dense": m.replace(subspace={"enabled": False}),
         "single-stage": m.replace(stages={"layout": [[0, m.model.n_layers]]}),
+        "pre-norm": m.replace(model={"block_norm": "pre"}),
+        "pre-norm-dense": m.replace(model={"block_norm": "pre"}, subspace={"enabled": False}),
     }
 
 
-@pytest.mark.parametrize("variant", ["subspace", "subspace-constrained-tail", "dense", "single-stage"])
+@pytest.mark.parametrize("variant", ["subspace", "subspace-constrained-tail", "dense", "single-stage",
+                                     "pre-norm", "pre-norm-dense"])
 def test_chained_stages_equal_unsplit_model(test_manifest, variant):
     m = _variants(test_manifest)[variant]
     model = build_model(m)
@@ -106,7 +109,8 @@ def test_stage_roles_and_boundary(test_manifest):
 
 
 def test_build_stage_equals_split_model(test_manifest, default_manifest):
-    for m in (test_manifest, test_manifest.replace(subspace={"enabled": False}), default_manifest):
+    for m in (test_manifest, test_manifest.replace(subspace={"enabled": False}), default_manifest,
+              test_manifest.replace(model={"block_norm": "pre"})):
         split = split_model(build_model(m), m)
         for i in range(m.n_stages):
             alone = build_stage(m, i)
@@ -142,9 +146,10 @@ def _off_subspace(h: torch.Tensor, ids: torch.Tensor, codec: SubspaceCodec) -> f
     return ((r - (r @ codec.U) @ codec.U.T).norm() / r.norm()).item()
 
 
+@pytest.mark.parametrize("block_norm", ["peri", "pre"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_residual_stays_in_affine_subspace(test_manifest, autocast):
-    m = test_manifest
+def test_residual_stays_in_affine_subspace(test_manifest, autocast, block_norm):
+    m = test_manifest.replace(model={"block_norm": block_norm})
     model = build_model(m)
     # train-like weights, not just the init: perturb every parameter
     with torch.no_grad():
@@ -264,3 +269,43 @@ def test_bf16_autocast_stage_chain_matches_float32_loosely(test_manifest):
             if not s.is_tail:
                 assert x.dtype == torch.float32
     assert (x.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+def test_block_norm_placement(test_manifest):
+    """``model.block_norm``: "peri" (default) is h + rmsnorm(f(rmsnorm(h))) per branch, "pre" is
+    the standard pre-norm h + f(rmsnorm(h)); same parameters, same initialisation."""
+    from stages.manifest import ManifestError
+    from stages.model import rmsnorm
+
+    m = test_manifest
+    assert m.model.block_norm == "peri"
+    pre_m = m.replace(model={"block_norm": "pre"})
+    peri, pre = build_model(m), build_model(pre_m)
+    assert not peri.layers[0].pre_norm and all(b.pre_norm for b in pre.layers)
+    for (n, p), q in zip(peri.named_parameters(), pre.parameters()):
+        assert torch.equal(p, q), n
+    L, eps = m.model.seq_len, m.model.norm_eps
+    rope = (torch.ones(L, m.model.head_dim // 2), torch.zeros(L, m.model.head_dim // 2))
+    h = torch.randn(2, L, m.model.d_model)
+    with torch.no_grad():
+        for model in (peri, pre):
+            for proj in model.layers[0].output_projections():
+                proj.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+        blk, U = pre.layers[0], pre.codec.U
+        a = h + blk.attn(rmsnorm(h, eps), rope, U)
+        want_pre = a + blk.mlp(rmsnorm(a, eps), U)
+        a = h + rmsnorm(blk.attn(rmsnorm(h, eps), rope, U), eps)
+        want_peri = a + rmsnorm(blk.mlp(rmsnorm(a, eps), U), eps)
+        assert torch.allclose(pre.layers[0](h, rope, U), want_pre, atol=1e-6)
+        assert torch.allclose(peri.layers[0](h, rope, U), want_peri, atol=1e-6)
+        assert not torch.allclose(want_pre, want_peri, atol=1e-2)
+        # a pre-norm branch scales with its writers (peri: renormalised to RMS 1 whatever they are)
+        for proj in blk.output_projections():
+            proj.weight.mul_(2)
+        delta2 = pre.layers[0](h, rope, U) - h
+        for proj in blk.output_projections():
+            proj.weight.mul_(0.5)
+        delta1 = pre.layers[0](h, rope, U) - h
+        assert delta2.norm() > 1.5 * delta1.norm()
+    with pytest.raises(ManifestError, match="block_norm"):
+        m.replace(model={"block_norm": "post"})

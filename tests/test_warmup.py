@@ -241,3 +241,32 @@ def test_ramp_steps_from_manifest_per_stage():
         assert torch.allclose(chained(), model(ids), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="ramp_steps"):
         ArchWarmup(m.replace(warmup={"ramp_steps": -1}), build_model(m))
+
+
+def test_pre_norm_unlock_preserves_function_and_trains():
+    """The pre-norm block (``model.block_norm = "pre"``): unlock with zero writers is an exact
+    identity, the writers get gradient, and after one update the branch is small (it grows with
+    its writers instead of jumping to RMS 1 as a peri-norm branch does)."""
+    m = _manifest("adamw").replace(model={"block_norm": "pre"})
+    model = build_model(m)
+    arch = ArchWarmup(m, model)
+    opt = build_optimizer(m, model)
+    for step in range(3):
+        _step(model, opt, arch, step)
+    ids = _ids(100)
+    with torch.no_grad():
+        before = model(ids)
+    assert arch.apply(3, opt) == [1]
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+    opt.zero_grad(set_to_none=True)
+    lm_loss(model(ids), ids).backward()
+    block = model.layers[1]
+    assert all(proj.weight.grad.abs().sum() > 0 for proj in block.output_projections())
+    opt.step()
+    h = torch.randn(2, 16, m.model.d_model)
+    rope = rope_tables(16, m.model.head_dim, m.model.rope_theta)
+    with torch.no_grad():
+        delta = block(h, rope, model.codec.U) - h
+    rms = delta.pow(2).mean().sqrt().item()
+    assert 0 < rms < 0.5  # peri-norm: every non-zero branch adds RMS ~1 per sub-layer
