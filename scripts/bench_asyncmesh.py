@@ -84,10 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta1", type=float, default=0.99)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-inflight", type=int, default=5,
-                   help="head's microbatches in flight, loss runs and real swarm alike (0: the manifest's); 5 "
-                   "keeps the loss runs' delays at (4, 2, 0) for S = 3, as 4 does, and hides the real runtime's "
-                   "per-hop latency better (docs/ASYNCMESH.md)")
+    p.add_argument("--max-inflight", type=int, default=0,
+                   help="head's microbatches in flight, loss runs and real swarm alike (0: the manifest's "
+                   "train.max_inflight, 5 in runs/default.toml: for S = 3 it keeps the loss runs' delays at "
+                   "(4, 2, 0), as 4 does, and hides the real runtime's per-hop latency better, docs/ASYNCMESH.md)")
     p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
     p.add_argument("--replicas", type=int, default=2, help="replicas R for the averaging runs")
     p.add_argument("--avg-fraction", type=float, default=0.05, help="p")
@@ -112,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run sparse_moments (moments averaged, λ_m = 1) and sparse_lambda (λ = 1 + s/(P·H))")
     p.add_argument("--variants", default="",
                    help="comma-separated averaging variants to run (experiments): full, sparse, sparse_corrected, "
-                   "sparse_moments, sparse_lambda, sparse_second (+ second moments, λ_v = β2^s), sparse_outer "
+                   "sparse_moments, sparse_lambda, independent (no averaging: reference), sparse_second (+ second moments, λ_v = β2^s), sparse_outer "
                    "(+ outer Nesterov on the averaged slice)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="sparse_outer: outer learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="sparse_outer: outer Nesterov momentum")
@@ -427,6 +427,8 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
                     for p in ps:
                         p.copy_(mean)
             bytes_total += group * 4 * n_elem
+            continue
+        if variant == "independent":  # reference: no averaging at all
             continue
         if done % args.avg_every == 0:
             idx = sched.indices(rnd)
