@@ -7,21 +7,24 @@ Prints ONE JSON object:
 - ``trunc_loss_increase``: after training, every hidden matrix (the ones Muon orthogonalises)
   is replaced by its best rank-⌈f·min(m, n)⌉ approximation (SVD) for f = 0.25 and 0.5; the
   increase in validation loss, per optimizer and fraction.
-- ``warmup``: an AdamW run at a deliberately high peak ``lr`` with all blocks active
-  (baseline) against the same run with architecture warm-up (stages/warmup.py, default
-  schedule: the odd layers locked until the LR warm-up ends, then one per ``every`` steps).
-  ``baseline_spikes`` / ``warmup_spikes`` (spike events of the training loss, definition in
-  ``settings.spike_rule``), ``baseline_final`` / ``warmup_final`` (final validation loss; NaN
-  if the run diverged), ``max_sharpness`` (largest preconditioned sharpness
-  λ_max(P^{-1/2} H P^{-1/2}) measured every ``sharpness_every`` steps, P from AdamW's v) and
-  the adaptive edge-of-stability bound at the peak lr.
-- ``settings``: model, steps, tokens, lrs, timings.
+- ``warmup``: architecture warm-up (stages/warmup.py, default schedule: the odd layers locked,
+  unlocked in 4 groups, one every ``--unlock-every`` steps after the LR warm-up ends) against the
+  same AdamW run with all blocks active from step 0 (baseline), on a deeper, narrower model with
+  standard pre-norm blocks (``model.block_norm = "pre"``, d=32, 24 layers, k = 4) and no LR
+  warm-up in either run (papers §5: arch warm-up can replace it). The peak ``lr`` is chosen by a
+  sweep on the baseline only (``how_lr_chosen``, ``lr_sweep``), then both are run on every seed.
+  ``baseline_spikes`` / ``warmup_spikes`` (spike events of the training loss summed over seeds,
+  definition in ``settings.spike_rule``), ``baseline_final`` / ``warmup_final`` (mean final
+  validation loss over seeds; null if a run diverged), ``max_sharpness`` (largest preconditioned
+  sharpness λ_max(P^{-1/2} H P^{-1/2}) measured every ``sharpness_every`` steps, P from AdamW's v),
+  the adaptive edge-of-stability bound at the peak lr, ``per_seed`` details and the settings.
+- ``settings``: the optimizer comparison's model, steps, tokens, lrs; the spike rule; timings.
 
-The model is a deeper, narrower variant of the default one (d=64, 8 layers; Subspace writers
-with k = 8) on the default stdlib corpus, so the whole run fits ~10 minutes on a shared 2-core
-CPU. ``--quick`` is a smoke run (seconds). Threads default to 1: on an oversubscribed box torch's
-OpenMP threads spin against each other (measured 30× slower Newton–Schulz with 2 threads under
-load than with 1).
+The optimizer comparison uses a deeper, narrower variant of the default model (d=48, 16 layers,
+Subspace writers with k = 6, the default peri-norm blocks) on the default stdlib corpus.
+``--only optim|warmup`` runs one part; ``--quick`` is a smoke run (seconds). Threads default to 1:
+on an oversubscribed box torch's OpenMP threads spin against each other (measured 30× slower
+Newton–Schulz with 2 threads under load than with 1). docs/TRAINING.md has the results.
 """
 
 from __future__ import annotations
@@ -89,12 +92,31 @@ def spike_steps(losses: list[float]) -> list[int]:
     return spikes
 
 
+def _split_aux(opt, model, scale: float):
+    """The same optimizer with the embedding and LM head (every parameter that is not a hidden
+    matrix) in their own groups at ``scale`` × the lr (``lr_scale``, honoured by ``set_lr``);
+    the blocks' matrices keep the peak lr."""
+    hidden = {id(p) for p in (dict(model.named_parameters())[n] for n in hidden_matrix_names(model))}
+    groups = []
+    for g in opt.param_groups:
+        rest = {k: v for k, v in g.items() if k != "params"}
+        blocks = [p for p in g["params"] if id(p) in hidden]
+        aux = [p for p in g["params"] if id(p) not in hidden]
+        if blocks:
+            groups.append(dict(rest, params=blocks))
+        if aux:
+            groups.append(dict(rest, params=aux, lr_scale=rest.get("lr_scale", 1.0) * scale))
+    return type(opt)(groups)
+
+
 def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_every: int = 0,
-          ramp_steps: int = 0, seed: int = 0) -> dict:
+          ramp_steps: int | None = None, aux_lr: float | None = None, seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = build_model(manifest)
     arch = ArchWarmup(manifest, model, ramp_steps=ramp_steps) if warmup else None
     opt = build_optimizer(manifest, model, total_steps=steps)
+    if aux_lr is not None:
+        opt = _split_aux(opt, model, aux_lr / manifest.optim.lr)
     batches = Batches(corpus.train, manifest.data.batch_size, manifest.model.seq_len, seed=manifest.run.seed)
     # Sharpness over the blocks' parameters (the hidden matrices), on a fixed training batch.
     # Not the embedding: rows of bytes that recent batches did not contain have v ≈ 0, so
@@ -154,20 +176,161 @@ def r4(x: float) -> float | None:
     return round(x, 4) if math.isfinite(x) else None
 
 
+def warmup_manifest(args):
+    """The warm-up experiment's model: its own depth / width / block norm, the bench's corpus,
+    batch and sequence length, AdamW (betas and grad clip of the default manifest)."""
+    ns = argparse.Namespace(layers=args.warmup_layers, d_model=args.warmup_d_model, k=args.warmup_k,
+                            seq_len=args.seq_len, batch=args.batch, lr_warmup=args.warmup_lr_warmup,
+                            steps=args.warmup_run_steps)
+    return base_manifest(ns).replace(model={"block_norm": args.warmup_block_norm})
+
+
+def _summary(r: dict) -> dict:
+    return {"spike_steps": spike_steps(r["losses"]), "final": r4(r["val_loss"]), "diverged": r["diverged"],
+            "max_sharpness": max((s for _, s in r["sharpness"]), default=None),
+            "min_train_loss": r4(min(r["losses"])) if r["losses"] else None}
+
+
+def warmup_experiment(args, corpus) -> dict:
+    """Baseline (all blocks from step 0) vs architecture warm-up, same AdamW and LR schedule.
+
+    The peak lr is swept upwards on the baseline only (every seed); the chosen lr is the smallest
+    one at which the baseline has a spike event (or diverges) on every seed, and only then is the
+    warm-up run at that lr (so the choice never looks at the warm-up's result). ``--high-lr``
+    skips the sweep."""
+    m = warmup_manifest(args)
+    steps = args.warmup_run_steps
+    layers = m.model.n_layers
+    val = val_batches(corpus.val, args.batch, args.seq_len, args.val_batches)
+    groups, unlock = default_warmup_schedule(layers, args.warmup_lr_warmup, args.unlock_every)
+    seeds = [int(x) for x in args.seeds.split(",")]
+
+    def manifest_at(lr: float, seed: int):
+        return m.replace(optim={"name": "adamw", "lr": lr, "weight_decay": args.warmup_weight_decay},
+                         schedule={"total_steps": steps}, run={"seed": m.run.seed + seed})
+
+    def run(lr: float, seed: int, warm: bool) -> dict:
+        mm = manifest_at(lr, seed)
+        if warm:
+            mm = mm.replace(warmup={"enabled": True, "groups": [list(g) for g in groups],
+                                    "unlock_steps": list(unlock)})
+        return train(mm, corpus, val, steps, warmup=warm, sharpness_every=args.sharpness_every,
+                     ramp_steps=args.ramp_steps, aux_lr=args.warmup_aux_lr, seed=seed)
+
+    sweep: dict = {}
+    base_runs: dict = {}
+    if args.high_lr is not None:
+        lr = args.high_lr
+        how = f"given on the command line (--high-lr {lr}); no sweep"
+        base_runs = {sd: run(lr, sd, False) for sd in seeds}
+        sweep[str(lr)] = {str(sd): _summary(r) for sd, r in base_runs.items()}
+    else:
+        lrs = sorted(float(x) for x in args.lr_sweep.split(","))
+        lr = None
+        for cand in lrs:
+            rs = {sd: run(cand, sd, False) for sd in seeds}
+            sweep[str(cand)] = {str(sd): _summary(r) for sd, r in rs.items()}
+            if all(spike_steps(r["losses"]) or r["diverged"] for r in rs.values()):
+                lr, base_runs = cand, rs
+                break
+        if lr is None:
+            lr, base_runs = lrs[-1], rs
+            how = (f"sweep {lrs} on the baseline, seeds {seeds}: the baseline had a spike event on every "
+                   f"seed at none of them; the largest was used")
+        else:
+            how = (f"the smallest peak lr of the sweep {lrs} at which the all-blocks baseline has a spike "
+                   f"event (or diverges) on every seed {seeds}; sweep run on the baseline only, upwards, "
+                   f"stopped at the first such lr (lr_sweep)")
+    warm_runs = {sd: run(lr, sd, True) for sd in seeds}
+    b = {sd: _summary(r) for sd, r in base_runs.items()}
+    w = {sd: _summary(r) for sd, r in warm_runs.items()}
+
+    def mean_final(s: dict) -> float | None:
+        vals = [x["final"] for x in s.values()]
+        return None if any(v is None for v in vals) else r4(sum(vals) / len(vals))
+
+    def max_sharp(s: dict) -> float | None:
+        vals = [x["max_sharpness"] for x in s.values() if x["max_sharpness"] is not None]
+        return max(vals, default=None)
+
+    md = m.model
+    o = manifest_at(lr, 0).optim
+    return {
+        "lr": lr,
+        "how_lr_chosen": how,
+        "seeds": seeds,
+        "baseline_spikes": sum(len(x["spike_steps"]) for x in b.values()),
+        "warmup_spikes": sum(len(x["spike_steps"]) for x in w.values()),
+        "baseline_final": mean_final(b),
+        "warmup_final": mean_final(w),
+        "baseline_diverged": any(x["diverged"] for x in b.values()),
+        "warmup_diverged": any(x["diverged"] for x in w.values()),
+        "max_sharpness": {"baseline": max_sharp(b), "warmup": max_sharp(w)},
+        "eos_bound_at_peak_lr": round(eos_bound(lr, o.betas[0]), 1),
+        "per_seed": {"baseline": {str(k): v for k, v in b.items()}, "warmup": {str(k): v for k, v in w.items()}},
+        "lr_sweep": sweep,
+        "sharpness_trace": {"baseline": {str(sd): r["sharpness"] for sd, r in base_runs.items()},
+                            "warmup": {str(sd): r["sharpness"] for sd, r in warm_runs.items()}},
+        "loss_trace_every_10": {
+            "baseline": {str(sd): [r4(x) for x in r["losses"][::10]] for sd, r in base_runs.items()},
+            "warmup": {str(sd): [r4(x) for x in r["losses"][::10]] for sd, r in warm_runs.items()},
+        },
+        "loss_first_12_steps": {
+            "baseline": {str(sd): [r4(x) for x in r["losses"][:12]] for sd, r in base_runs.items()},
+            "warmup": {str(sd): [r4(x) for x in r["losses"][:12]] for sd, r in warm_runs.items()},
+        },
+        "settings": {
+            "model": {"d_model": md.d_model, "n_layers": md.n_layers, "n_heads": md.n_heads, "ffn": md.ffn_dim,
+                      "seq_len": md.seq_len, "subspace_k": m.k, "block_norm": md.block_norm,
+                      "token_table_scale": m.subspace.token_table_scale},
+            "optimizer": {"name": "adamw", "betas": list(o.betas), "eps": o.eps,
+                          "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
+                          "embedding_head_lr": "same as the blocks" if args.warmup_aux_lr is None
+                          else args.warmup_aux_lr},
+            "lr_schedule": {"kind": "cosine", "warmup_steps": args.warmup_lr_warmup, "total_steps": steps,
+                            "min_lr_frac": m.schedule.min_lr_frac},
+            "steps": steps,
+            "batch": args.batch,
+            "tokens_per_run": steps * args.batch * args.seq_len,
+            "groups": [list(g) for g in groups],
+            "unlock_steps": list(unlock),
+            "unlocked_at": warm_runs[seeds[0]]["unlocked"],
+            "ramp_steps": args.ramp_steps,
+            "sharpness_every": args.sharpness_every,
+            "wall_s": {"baseline": {str(sd): r["wall_s"] for sd, r in base_runs.items()},
+                       "warmup": {str(sd): r["wall_s"] for sd, r in warm_runs.items()}},
+        },
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
     ap.add_argument("--steps", type=int, default=300, help="steps per optimizer run")
     ap.add_argument("--warmup-run-steps", type=int, default=200, help="steps per warm-up experiment run")
-    ap.add_argument("--d-model", type=int, default=48)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--k", type=int, default=6, help="subspace rank")
+    ap.add_argument("--d-model", type=int, default=48, help="optimizer comparison: width")
+    ap.add_argument("--layers", type=int, default=16, help="optimizer comparison: depth")
+    ap.add_argument("--k", type=int, default=6, help="optimizer comparison: subspace rank")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr-warmup", type=int, default=20, help="LR warm-up steps")
-    ap.add_argument("--high-lr", type=float, default=0.3, help="peak AdamW lr of the warm-up experiment")
+    ap.add_argument("--lr-warmup", type=int, default=20, help="optimizer comparison: LR warm-up steps")
+    ap.add_argument("--warmup-d-model", type=int, default=32, help="warm-up experiment: width")
+    ap.add_argument("--warmup-layers", type=int, default=24, help="warm-up experiment: depth")
+    ap.add_argument("--warmup-k", type=int, default=4, help="warm-up experiment: subspace rank")
+    ap.add_argument("--warmup-block-norm", choices=["peri", "pre"], default="pre",
+                    help="warm-up experiment: model.block_norm (pre: standard pre-norm blocks)")
+    ap.add_argument("--warmup-lr-warmup", type=int, default=0,
+                    help="warm-up experiment: LR warm-up steps of both runs (0: none; arch warm-up replaces it)")
+    ap.add_argument("--warmup-weight-decay", type=float, default=0.1)
+    ap.add_argument("--warmup-aux-lr", type=float, default=None,
+                    help="warm-up experiment: peak lr of the embedding and LM head (default: the same lr as "
+                         "the blocks), to test whether an instability comes from the blocks")
+    ap.add_argument("--lr-sweep", default="0.1,0.2,0.3",
+                    help="peak lrs tried upwards on the baseline; the first that spikes on every seed is used")
+    ap.add_argument("--high-lr", type=float, default=None, help="peak lr of the warm-up experiment (skips the sweep)")
+    ap.add_argument("--seeds", default="0,1", help="warm-up experiment seeds (run.seed offsets: init and data order)")
     ap.add_argument("--unlock-every", type=int, default=20)
-    ap.add_argument("--ramp-steps", type=int, default=10, help="blend-in steps of an unlocked block (0: off)")
+    ap.add_argument("--ramp-steps", type=int, default=0, help="blend-in steps of an unlocked block (0: off)")
     ap.add_argument("--sharpness-every", type=int, default=25)
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
@@ -177,6 +340,7 @@ def main(argv=None) -> int:
         args.steps, args.warmup_run_steps, args.d_model, args.layers = 12, 12, 32, 4
         args.k, args.seq_len, args.batch, args.lr_warmup = 4, 32, 4, 2
         args.unlock_every, args.sharpness_every, args.val_batches, args.ramp_steps = 2, 4, 2, 2
+        args.warmup_d_model, args.warmup_layers, args.warmup_k, args.lr_sweep = 32, 4, 4, "0.1,0.3"
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
@@ -211,47 +375,7 @@ def main(argv=None) -> int:
         out["optim_wall_s"] = {n: r["wall_s"] for n, r in runs.items()}
 
     if args.only in (None, "warmup"):
-        steps = args.warmup_run_steps
-        groups, unlock = default_warmup_schedule(args.layers, args.lr_warmup, args.unlock_every)
-        mw = m.replace(optim={"name": "adamw", "lr": args.high_lr, "weight_decay": 0.1},
-                       schedule={"total_steps": steps})
-        base = train(mw, corpus, val, steps, sharpness_every=args.sharpness_every)
-        warm = train(mw.replace(warmup={"enabled": True, "groups": [list(g) for g in groups],
-                                        "unlock_steps": list(unlock)}),
-                     corpus, val, steps, warmup=True, sharpness_every=args.sharpness_every,
-                     ramp_steps=args.ramp_steps)
-        b_spikes, w_spikes = spike_steps(base["losses"]), spike_steps(warm["losses"])
-        out["warmup"] = {
-            "lr": args.high_lr,
-            "lr_choice": "the lowest of {0.03, 0.1, 0.3} at which the all-blocks AdamW baseline of this "
-                         "model family was visibly unstable in a 200-300-step sweep: at 0.03 and 0.1 no "
-                         "spike events past the LR warm-up; at 0.3 the loss leaves its early minimum for "
-                         "tens of steps and (seed-dependent) spikes later, e.g. +2.4 nats at step 7 and a "
-                         "~1.5-nat excursion around step 70 in one 16-layer run",
-            "baseline_spikes": len(b_spikes),
-            "warmup_spikes": len(w_spikes),
-            "spike_steps": {"baseline": b_spikes, "warmup": w_spikes},
-            "baseline_final": r4(base["val_loss"]),
-            "warmup_final": r4(warm["val_loss"]),
-            "baseline_diverged": base["diverged"],
-            "warmup_diverged": warm["diverged"],
-            "max_sharpness": {
-                "baseline": max((s for _, s in base["sharpness"]), default=None),
-                "warmup": max((s for _, s in warm["sharpness"]), default=None),
-            },
-            "eos_bound_at_peak_lr": round(eos_bound(args.high_lr, mw.optim.betas[0]), 1),
-            "sharpness_trace": {"baseline": base["sharpness"], "warmup": warm["sharpness"]},
-            "loss_trace_every_10": {
-                "baseline": [r4(x) for x in base["losses"][::10]],
-                "warmup": [r4(x) for x in warm["losses"][::10]],
-            },
-            "groups": [list(g) for g in groups],
-            "unlock_steps": list(unlock),
-            "unlocked_at": warm["unlocked"],
-            "ramp_steps": args.ramp_steps,
-            "steps": steps,
-            "wall_s": {"baseline": base["wall_s"], "warmup": warm["wall_s"]},
-        }
+        out["warmup"] = warmup_experiment(args, corpus)
 
     md = m.model
     out["settings"] = {

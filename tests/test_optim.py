@@ -353,6 +353,7 @@ def test_bench_optim_quick():
     for name in ("adamw", "muon", "numuon"):
         assert set(out["trunc_loss_increase"][name]) == {"0.25", "0.5"}
     w = out["warmup"]
-    for key in ("lr", "baseline_spikes", "warmup_spikes", "baseline_final", "warmup_final", "max_sharpness"):
+    for key in ("lr", "how_lr_chosen", "baseline_spikes", "warmup_spikes", "baseline_final", "warmup_final",
+                "max_sharpness", "lr_sweep", "per_seed", "settings"):
         assert key in w
     assert out["settings"]["quick"] is True
