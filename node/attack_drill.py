@@ -5,7 +5,8 @@ Shared by tests/test_sentinel_swarm.py (asserts) and scripts/bench_sentinel.py `
 own metrics port, own process group). The run:
 
 1. bootstrap, head (stage 0), ``honest`` replicas of stage 1, tail (stage 2), SENTINEL on;
-2. once they are online, the malicious replica of stage 1 starts with ``--attack NAME
+2. once they are online and past SENTINEL's warm-up (tail step ``warmup`` + 10: the warm-up is
+   honest by assumption), the malicious replica of stage 1 starts with ``--attack NAME
    --allow-attacks``: a newcomer, judged from its first tensor against the references the
    honest traffic built (a replica that turns malicious later is the same case after a ban: the
    verifier forgets a banned sender);
@@ -76,6 +77,16 @@ def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: in
         tail = sw.start_node(2, name="tail")
         sw.wait_ready(timeout=ready_timeout_s)
         say(f"honest swarm online after {time.monotonic() - t0:.0f} s")
+        # SENTINEL's warm-up is honest by assumption (papers.md §3): the attacker joins once the
+        # tail has judged `warmup` tensors past it (one per step), so the references it meets
+        # were built by honest replicas only
+        want = m.sentinel.warmup + 10
+        deadline = time.monotonic() + ready_timeout_s
+        while sw.value(tail, "swarm_node_steps_total") < want:
+            if time.monotonic() > deadline or any(n.proc.poll() is not None for n in sw.nodes):
+                raise TimeoutError(f"attack drill: the honest swarm did not reach {want} steps")
+            time.sleep(0.5)
+        say(f"SENTINEL warmed up (tail step >= {want}) after {time.monotonic() - t0:.0f} s")
         bad = sw.start_node(1, name="mid-malicious", extra=["--attack", attack, "--allow-attacks"])
         sw.wait_ready([bad], timeout=ready_timeout_s)
         out["startup_s"] = round(time.monotonic() - t0, 1)

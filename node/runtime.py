@@ -61,7 +61,7 @@ from protocol.messages import (
     validate_fwd,
     validate_health_request,
 )
-from security.bans import BanList
+from security.bans import BanList, flag_weight
 from stages.asyncmesh import LookaheadForward, StageWeights, StepPolicy
 from stages.manifest import Manifest, manifest_hash
 from stages.model import lm_loss
@@ -348,7 +348,8 @@ class StageRuntime:
     async def _verify(self, peer: str, direction: str, tensor: torch.Tensor, version: int,
                       ids: torch.Tensor | None, mb: int):
         """Run the verifier off the event loop; count the verdict; ban a sender whose recent
-        tensors keep being flagged (``security.bans.BanList``: flags_to_ban of the last 20)."""
+        tensors keep being flagged (``security.bans.BanList``: flags_to_ban of the last 20, each
+        flag weighted by how far its score is over the fence, ``sentinel.ban_margin``)."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         call = functools.partial(self.verifier.verify, peer, direction, tensor, step=version, ids=ids, mb=mb)
@@ -358,7 +359,9 @@ class StageRuntime:
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
         now = time.monotonic()
         mostly_ok = self.banlist.flag_rate(peer) < 0.5
-        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or "")) \
+        weight = 1.0 if verdict.accept else flag_weight(float(getattr(verdict, "score", 0.0) or 0.0),
+                                                         self.m.sentinel.ban_margin)
+        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or ""), weight=weight) \
                 and mostly_ok and self._last_replica(peer):
             # A ban exists to route around a peer. With no other replica of its stage it would only
             # stop the pipeline, so a sender whose tensors mostly pass is spared (its flagged tensors

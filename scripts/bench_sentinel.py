@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from security.attacks import ATTACKS, make_attack  # noqa: E402
-from security.bans import BanList  # noqa: E402
+from security.bans import BanList, flag_weight  # noqa: E402
 from security.verifier import BasicVerifier, SentinelVerifier  # noqa: E402
 from stages.data import Batches, load_corpus, val_batches  # noqa: E402
 from stages.manifest import load_manifest  # noqa: E402
@@ -92,11 +92,14 @@ def parse_args(argv=None):
                     help="part 2 first trains once per attack without SENTINEL and uses the most damaging")
     ap.add_argument("--part", choices=("all", "both", "detection", "damage", "real"), default="all",
                     help="all: detection, damage and the real run; both: detection and damage")
-    ap.add_argument("--real-manifest", default="test", help="run manifest of the real swarm (part 3)")
+    ap.add_argument("--real-manifest", default="default",
+                    help="run manifest of the real swarm (part 3); the test model's payloads (4 x 32 tokens) are too small for quiet statistics")
     ap.add_argument("--real-replicas", type=int, default=3, help="middle-stage replicas in part 3, one malicious")
     ap.add_argument("--real-attack", default=None, choices=sorted(ATTACKS),
                     help="attack in part 3 (default: --strongest)")
-    ap.add_argument("--real-observe", type=float, default=20.0, help="seconds watched after the ban in part 3")
+    ap.add_argument("--real-observe", type=float, default=50.0,
+                    help="seconds watched after the ban in part 3 (under the 60-s first ban: longer, the attacker comes "
+                    "back when it expires, serves a few microbatches and is banned again for 120 s)")
     ap.add_argument("--real-workdir", default="", help="keep part 3's logs here (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (with more, the verifier's small ops are ~20x slower "
@@ -199,6 +202,7 @@ class Tally:
         self.attack_start = attack_start
         self.bans = {d: BanList(flags_to_ban=m.sentinel.flags_to_ban, memory=max(BAN_MEMORY, m.sentinel.flags_to_ban))
                      for d in ("act", "grad")}
+        self.margin = m.sentinel.ban_margin  # flags weighted as in the node (security.bans.flag_weight)
         self.first_ban: dict[str, int] = {}
         self.sends: dict[str, int] = {}
         self.ban_sends: dict[str, int] = {}
@@ -221,7 +225,8 @@ class Tally:
             self.tn += not rejected
         if direction == "act":
             self.sends[sender] = self.sends.get(sender, 0) + 1
-        if self.bans[direction].record(sender, rejected, float(step)) and sender not in self.first_ban:
+        w = flag_weight(verdict.score, self.margin) if rejected else 1.0
+        if self.bans[direction].record(sender, rejected, float(step), weight=w) and sender not in self.first_ban:
             self.first_ban[sender] = step
             self.ban_sends[sender] = self.sends.get(sender, 0)
 
@@ -310,7 +315,8 @@ def detection(args) -> dict:
                 clean_counts[point][1] += 1
                 if not v.accept:
                     clean_rejections.append([step, point, v.reason, round(v.score, 2)])
-                if clean_bans[point].record(sender, not v.accept, float(step)):
+                w = flag_weight(v.score, m.sentinel.ban_margin) if not v.accept else 1.0
+                if clean_bans[point].record(sender, not v.accept, float(step), weight=w):
                     honest_banned.add(f"{point}:{sender}")
 
         # every attack case: its own verifiers see the honest tensors of honest replicas and the
@@ -400,7 +406,7 @@ def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
         if bad:
             act = atk[(replica, "act")](act, step)
         v = v_tail.verify(replica, "act", act, step=step, ids=ids, mb=step)
-        _flag(bans, replica, v, step, banned_at)
+        _flag(bans, replica, v, step, banned_at, m.sentinel.ban_margin)
         if not v.accept:  # dropped; the microbatch is skipped
             dropped += 1
             sw.clip_and_step(())
@@ -419,7 +425,7 @@ def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
         if bad:
             grad = atk[(replica, "grad")](grad, step)
         vg = v_head.verify(replica, "grad", grad, step=step, ids=ids, mb=step)
-        _flag(bans, replica, vg, step, banned_at)
+        _flag(bans, replica, vg, step, banned_at, m.sentinel.ban_margin)
         if vg.accept:
             c0.backward(grad)
             update.append(0)
@@ -430,8 +436,9 @@ def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
             "banned_at_step": dict(sorted(banned_at.items())), "malicious": sorted(sw.malicious), "attack_start": start}
 
 
-def _flag(bans: BanList, replica: str, verdict, step: int, banned_at: dict) -> None:
-    if bans.record(replica, not verdict.accept, float(step)):
+def _flag(bans: BanList, replica: str, verdict, step: int, banned_at: dict, margin: float) -> None:
+    w = flag_weight(verdict.score, margin) if not verdict.accept else 1.0
+    if bans.record(replica, not verdict.accept, float(step), weight=w):
         banned_at.setdefault(replica, []).append(step)
 
 
@@ -471,8 +478,14 @@ def real_run(args) -> dict:
 
     attack = args.real_attack or args.strongest
     workdir = Path(args.real_workdir or tempfile.mkdtemp(prefix="bench-sentinel-real-"))
+    # The SENTINEL settings of --manifest (runs/default.toml, or --warmup / --kappa), not the
+    # test manifest's short warm-up of 4 (there for fast tests): with it the tail falsely banned an
+    # honest replica of three in the first seconds of a real run.
+    shipped = load_manifest(args.manifest).sentinel
+    sentinel = {"warmup": args.warmup if args.warmup is not None else shipped.warmup,
+                "kappa": args.kappa if args.kappa is not None else shipped.kappa}
     r = run_attack_drill(workdir, attack=attack, honest=args.real_replicas - 1, manifest=args.real_manifest,
-                         observe_s=args.real_observe, ban_timeout_s=90.0, ready_timeout_s=180.0,
+                         sentinel=sentinel, observe_s=args.real_observe, ban_timeout_s=90.0, ready_timeout_s=180.0,
                          progress=lambda msg: print(f"bench_sentinel real: {msg}", file=sys.stderr, flush=True))
     keep = ("steps", "time_to_ban_s", "steps_to_ban", "honest_banned", "malicious_share_after_ban", "loss_start",
             "loss_end")

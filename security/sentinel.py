@@ -384,8 +384,8 @@ class Sentinel:
       heard from every R-th tensor gets β^R per tensor, so its EMA is as fresh as the stage's
       instead of R times staler.
     - **The reference** a tensor is judged against is the coordinate-wise median of the EMAs
-      of the senders active in the last ``window`` tensors: what the majority of the replicas
-      sends. A malicious minority (25-37.5% of a stage's replicas) cannot move a median, even
+      of the senders active in the last ``window`` tensors that have had ``sender_min``
+      tensors accepted (``_voters``): what the majority of the replicas sends. A malicious minority (25-37.5% of a stage's replicas) cannot move a median, even
       with tensors subtle enough to be accepted — with a mean over all traffic instead, the
       accepted part of a subtle attack dragged the reference toward itself and made the
       honest look deviant (bias attack F1 0.73 -> 0.87 on the default model, scaling x1.5
@@ -397,7 +397,8 @@ class Sentinel:
       accepted distances.
     - **New senders**: a newcomer is judged from its first tensor against the reference and
       fences of the established majority: an honest replica looks like them and is accepted,
-      a malicious one is rejected and is one vote among many in the median. No per-sender
+      a malicious one is rejected and gets no vote in the median until ``sender_min`` of its
+      tensors have been accepted. No per-sender
       warm-up, so nothing is trusted blindly after the stage's own warm-up.
     - **Warm-up**: the first ``warmup`` tensors of a direction are accepted unconditionally (the
       paper's honest warm-up); a distance counts once there are enough values to fence with.
@@ -428,11 +429,23 @@ class Sentinel:
         horizon = state.seen - self.params.window
         return [rec for rec in state.senders.values() if rec.last >= horizon]
 
+    def _voters(self, state: _Direction) -> list[SenderRecord]:
+        """The active senders that have had at least ``sender_min`` tensors accepted (all the
+        active ones if none has). A newcomer votes in the reference only once it has earned it:
+        otherwise a rejected newcomer's first tensor would become a vote at once, and with two
+        honest replicas of a stage, one attacker would pick the median (measured in a real
+        3-replica run: the honest replica on the far side of the attacker was refused 5 times in
+        a row and banned)."""
+        active = self._active(state)
+        established = [rec for rec in active if rec.seen - rec.rejected >= self.params.sender_min]
+        return established or active
+
     def _reference(self, state: _Direction) -> Stats | None:
-        """Coordinate-wise median of the EMAs of the senders active in the last ``window``
-        tensors: what the majority of the replicas sends, whatever a minority does."""
+        """Coordinate-wise median of the EMAs of the voting senders (``_voters``: active in the
+        last ``window`` tensors and established): what the majority of the replicas sends,
+        whatever a minority does."""
         if state.ref_version != state.seen:
-            active = self._active(state)
+            active = self._voters(state)
             state.ref = median_stats([rec.ema for rec in active]) if active else None
             state.ref_version = state.seen
         return state.ref
@@ -566,10 +579,21 @@ class Sentinel:
         of replicas (up to 37.5%, plus an honest false positive or two) can cause, so the honest
         distribution itself has moved. Counted in senders, not tensors, so attackers cannot
         trigger it by sending more; they can by outnumbering the honest replicas (Sybils), which
-        SENTINEL does not defend against anyway."""
+        SENTINEL does not defend against anyway.
+
+        With fewer than three senders (one or two replicas upstream) every one of them must be
+        out. There is no majority to appeal to then, and without this an honest lone replica
+        whose statistics move faster than its fences (early training) had every tensor dropped
+        until the stage stalled (measured on the test model in a real swarm: scale scores 3.5-4
+        for tens of steps, and then a ban as soon as a second replica joined). Only voters
+        count (``_voters``), so a rejected newcomer cannot trigger it; what a lone attacker gains
+        is deviations up to ``shift_reach`` fences, and a lone replica can stall its stage
+        anyway."""
         horizon = state.seen - self.params.shift_horizon
-        active = [rec.out for rec in state.senders.values() if rec.last >= horizon]
-        return len(active) >= 3 and sum(active) >= math.ceil(0.8 * len(active))
+        active = [rec.out for rec in self._voters(state) if rec.last >= horizon]
+        if len(active) < 3 and len(active) < len(self._active(state)):
+            return False  # some sender is not (yet) a voter: no verdict on a stage-wide shift
+        return len(active) >= 1 and sum(active) >= math.ceil(0.8 * len(active))
 
     def _record(self, state: _Direction, sender: str, s: Stats) -> SenderRecord:
         rec = state.senders.get(sender)

@@ -245,6 +245,33 @@ def test_an_abrupt_honest_change_is_followed_not_locked_out():
     assert all(accepted_after[-50:])  # and absorbed
 
 
+@pytest.mark.parametrize("senders", [("solo",), ("a", "b")])
+def test_one_or_two_senders_follow_an_abrupt_honest_change(senders):
+    """With one or two replicas upstream there is no majority; when every one of them leaves
+    the fences together the stage's distribution has moved, and it is followed within a few
+    tensors instead of every tensor being dropped for good (measured before: an honest lone
+    replica locked out in a real swarm)."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, senders=senders, seed=9)
+    verdicts = [sen.judge(senders[t % len(senders)], "act", x * 1.5, ids).accept
+                for t, (ids, x) in enumerate(stream(60, seed=10))]
+    assert not verdicts[0]  # the jump is seen
+    assert sum(verdicts[-40:]) >= 36  # and followed (without: all 60 rejected)
+
+
+def test_a_newcomer_attacker_cannot_trigger_shift_mode_beside_one_honest_replica():
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, senders=("h",), seed=23)
+    atk = make_attack("scaling", factor=3.0)
+    bad = honest_rejected = 0
+    for t, (ids, x) in enumerate(stream(60, seed=24)):
+        if t % 2:
+            bad += not sen.judge("m", "act", atk(x, t), ids).accept
+        else:
+            honest_rejected += not sen.judge("h", "act", x, ids).accept
+    assert bad == 30 and honest_rejected <= 1
+
+
 def test_rejected_garbage_does_not_drag_the_reference():
     sen = Sentinel(SentinelParams(warmup=10))
     warm(sen, 40, seed=11)
@@ -259,6 +286,26 @@ def test_rejected_garbage_does_not_drag_the_reference():
             honest_rejected += not sen.judge(f"h{t % 3}", "act", x, ids).accept
     assert honest_rejected <= 3
     assert sen.peer_report("act")["m"]["rejected"] == 100
+
+
+def test_a_rejected_newcomer_gets_no_vote_in_the_reference():
+    """With two honest replicas, an attacker's EMA in the median would pick the reference (median
+    of three). A newcomer votes only after ``sender_min`` accepted tensors, so its rejected
+    tensors leave the honest senders' judgement exactly as it was; an honest newcomer that has
+    been accepted ``sender_min`` times does vote."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, senders=("a", "b"), seed=21)
+    data = list(stream(40, seed=22))
+    probe_ids, probe = data[0]
+    before = sen.judge("a", "act", probe, probe_ids, commit=False).distances
+    atk = make_attack("scaling", factor=3.0)
+    for t, (ids, x) in enumerate(data[1:6]):
+        assert not sen.judge("m", "act", atk(x, t), ids).accept
+    assert sen.judge("a", "act", probe, probe_ids, commit=False).distances == before
+    # an honest newcomer, once accepted sender_min times, is a voter: the reference now moves
+    for ids, x in data[6:6 + sen.params.sender_min]:
+        assert sen.judge("c", "act", x, ids).accept
+    assert sen.judge("a", "act", probe, probe_ids, commit=False).distances != before
 
 
 def test_replay_is_rejected_and_retransmission_is_not():

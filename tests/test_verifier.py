@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from security.bans import BanList
+from security.bans import BanList, flag_weight
 from security.verifier import BasicVerifier, SentinelVerifier, Verdict, Verifier, make_verifier
 from stages.manifest import load_manifest
 
@@ -135,3 +135,31 @@ def test_spread_out_flags_never_ban_and_strikes_decay():
     assert b.strikes("y") == 1 and b.banned(203)["y"] == 212
     with pytest.raises(ValueError):
         BanList(flags_to_ban=5, memory=3)
+
+
+def test_flag_weight_by_score_over_the_fence():
+    assert flag_weight(1.05, 0.5) == 0.25  # barely over: the floor
+    assert flag_weight(1.25, 0.5) == pytest.approx(0.5)
+    assert flag_weight(1.5, 0.5) == 1.0 and flag_weight(6.0, 0.5) == 1.0
+    # rule rejections (bad shape: score 0; replay: inf) and NaN scores count fully
+    assert flag_weight(0.0, 0.5) == 1.0 and flag_weight(float("inf"), 0.5) == 1.0
+    assert flag_weight(float("nan"), 0.5) == 1.0
+    assert flag_weight(1.05, 0.0) == 1.0  # margin 0: the unweighted rule
+    with pytest.raises(ValueError):
+        flag_weight(1.2, -1.0)
+
+
+def test_marginal_flags_ban_later_than_clear_ones():
+    """Three clear flags ban at once; three marginal ones (weight 0.25) do not, and twelve in
+    twenty do (a sender most of whose tensors fail is still banned)."""
+    clear, marginal = BanList(flags_to_ban=3), BanList(flags_to_ban=3)
+    for t in range(3):
+        banned_clear = clear.record("x", True, float(t), weight=flag_weight(3.0, 0.5))
+        banned_marg = marginal.record("x", True, float(t), weight=flag_weight(1.05, 0.5))
+    assert banned_clear and clear.is_banned("x", 3.0)
+    assert not banned_marg and not marginal.is_banned("x", 3.0)
+    assert marginal.flag_rate("x") == 1.0  # the spare rule still sees every flag
+    hits = [marginal.record("x", True, float(t), weight=0.25) for t in range(3, 12)]
+    assert hits[-1] and not any(hits[:-1]) and marginal.is_banned("x", 12.0)
+    with pytest.raises(ValueError):
+        BanList().record("y", True, 0.0, weight=0.0)
