@@ -385,8 +385,9 @@ class Sentinel:
       instead of R times staler.
     - **The reference** a tensor is judged against is the coordinate-wise median of the EMAs
       of the senders active in the last ``window`` tensors that have had ``sender_min``
-      tensors accepted (``_voters``): what the majority of the replicas sends. A malicious minority (25-37.5% of a stage's replicas) cannot move a median, even
-      with tensors subtle enough to be accepted — with a mean over all traffic instead, the
+      tensors accepted (``_voters``): what the majority of the replicas sends. A malicious
+      minority (25-37.5% of a stage's replicas) cannot move a median, even with tensors
+      subtle enough to be accepted — with a mean over all traffic instead, the
       accepted part of a subtle attack dragged the reference toward itself and made the
       honest look deviant (bias attack F1 0.73 -> 0.87 on the default model, scaling x1.5
       0 -> 0.69, false-positive rate 1.2% -> 0.3%).
@@ -398,8 +399,8 @@ class Sentinel:
     - **New senders**: a newcomer is judged from its first tensor against the reference and
       fences of the established majority: an honest replica looks like them and is accepted,
       a malicious one is rejected and gets no vote in the median until ``sender_min`` of its
-      tensors have been accepted. No per-sender
-      warm-up, so nothing is trusted blindly after the stage's own warm-up.
+      tensors have been accepted. No per-sender warm-up, so nothing is trusted blindly after
+      the stage's own warm-up.
     - **Warm-up**: the first ``warmup`` tensors of a direction are accepted unconditionally (the
       paper's honest warm-up); a distance counts once there are enough values to fence with.
     - **Learning from rejections**: see ``_learn`` (bounded pulls; the shift mode that keeps an
