@@ -31,7 +31,9 @@ Data axis (R replicas of the whole model, equal tokens):
   on the same slice, their delta scaled by β^s (StalenessCorrection);
 - ``sparse_avg_gap_rel`` = val(sparse_corrected)/val(full) − 1; ``avg_bytes_ratio`` = all-reduce
   payload bytes of full / sparse_corrected. ``--ablation`` adds sparse_moments (λ_m = 1) and
-  sparse_lambda (parameters' λ = 1 + s/(P·H)).
+  sparse_lambda (parameters' λ = 1 + s/(P·H)); ``--variants`` runs any set, among them
+  ``independent`` (no averaging at all: what the averaging adds is measured against it),
+  ``sparse_second`` and ``sparse_outer`` (experiments, docs/ASYNCMESH.md), on ``--avg-seeds`` seeds.
 
 Loss runs use a smaller model than runs/default.toml (d_model 64, seq_len 64, k 8; ``settings``
 says so) to fit ~10 minutes on a shared 2-core CPU; ``--quick`` is a smoke run (seconds).
