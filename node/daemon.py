@@ -409,8 +409,7 @@ class Node:
                         log.error("%s", e)
                         raise CliError(f"could not download stage {self.index} state from any online replica; "
                                        "check connectivity to them and retry") from None
-                    rt.la.version = version
-                    rt.metrics.version.set(version)
+                    rt.set_version(version)
                     _announce_line(f"downloaded stage {self.index} state at version {version} from {src}")
             rt.set_state("online")
             self._set_server_state("online")

@@ -66,6 +66,7 @@ from stages.asyncmesh import LookaheadForward, StageWeights, StepPolicy
 from stages.manifest import Manifest, manifest_hash
 from stages.model import lm_loss
 from stages.optim import lr_at, set_lr
+from stages.warmup import ArchWarmup
 
 log = logging.getLogger("swarm_node.runtime")
 
@@ -231,6 +232,10 @@ class StageRuntime:
         self.run_id = manifest.run.id
         self.mhash = manifest_hash(manifest)
         max_inflight = self.opt.max_inflight or manifest.train.max_inflight
+        # architecture warm-up (papers.md §5, stages/warmup.py): this stage locks its own blocks
+        # of the manifest's groups and unlocks them at the shared step schedule, counted in its
+        # own optimizer steps (the schedule's clock, as for the learning rate)
+        self.arch = ArchWarmup(manifest, stage) if manifest.warmup.enabled and manifest.warmup.groups else None
         self.la = LookaheadForward(stage, optimizer, mode=manifest.asyncmesh.mode,
                                    delay_ema=manifest.asyncmesh.delay_ema)
         self.policy = StepPolicy(manifest.asyncmesh.mode, manifest.asyncmesh.gpipe_flush_every,
@@ -735,6 +740,13 @@ class StageRuntime:
         self.la.stepped()
         self._accum = 0
         v = self.la.version
+        if self.arch is not None:
+            # before the next forward. Unlocking is function-preserving (output projections at
+            # zero); the microbatches in flight across it (at most max_inflight) are recomputed
+            # with the block active, exact until this stage's next step moves the projection
+            unlocked = self.arch.apply(v, self.optimizer)
+            if unlocked:
+                log.info("architecture warm-up: unlocked layers %s at step %d", unlocked, v)
         self.metrics.steps.inc()
         self.metrics.version.set(v)
         if self.step_log is not None:
@@ -773,13 +785,21 @@ class StageRuntime:
         }
         return tensors, meta
 
+    def set_version(self, version: int) -> None:
+        """This stage's optimizer step count after its weights were loaded (a checkpoint, a
+        replica's state): the architecture warm-up's locks follow it without touching weights."""
+        self.la.version = version
+        if self.arch is not None:
+            self.arch.sync(version)
+        self.metrics.version.set(version)
+
     def restore(self, tensors: dict, meta: dict) -> None:
         """Load a checkpoint written by ``checkpoint_state`` (before ``start``)."""
         from node.checkpoint import restore_module, restore_optimizer
 
         restore_module(self.stage, tensors)
         restore_optimizer(self.optimizer, tensors, meta["optim"])
-        self.la.version = int(meta["version"])
+        self.set_version(int(meta["version"]))
         if self.batches is not None:
             self.batches.step = int(meta.get("data_step", 0))
         self.metrics.version.set(self.la.version)

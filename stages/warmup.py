@@ -154,6 +154,23 @@ class ArchWarmup:
         self._update_gates(step)
         return due
 
+    def sync(self, step: int) -> None:
+        """Put the lock state at ``step`` without touching any weight: after the module's weights
+        were loaded from a checkpoint or another replica at ``step`` (a restore, a joiner's state
+        download). Blocks due by then are unlocked as they are (their trained weights came with
+        the state), the others locked; optimizer state is left alone."""
+        for layer, at in self.unlock_at.items():
+            block = self.blocks[layer]
+            if at <= step and layer in self.locked:
+                for p in block.parameters():
+                    p.requires_grad_(True)
+                block.active = True
+                self.locked.discard(layer)
+            elif at > step and layer not in self.locked:
+                self._lock(block)
+                self.locked.add(layer)
+        self._update_gates(step)
+
     def _update_gates(self, step: int) -> None:
         if not self.ramp_steps:
             return

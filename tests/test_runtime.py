@@ -503,3 +503,51 @@ async def test_handlers_refuse_what_a_stage_cannot_take(test_manifest):
         await stop_all([head, tail, joining])
     assert tail.version == 0 and not head.contexts
     assert Reason.BUSY.value == "busy"
+
+
+@pytest.mark.asyncio
+async def test_architecture_warmup_unlocks_each_stages_blocks_on_the_shared_schedule(test_manifest):
+    """Warm-up in a swarm: each stage locks its own blocks of the manifest's groups (exact
+    identity, out of the optimizer) and unlocks them at its own step of the shared schedule;
+    unlocked blocks then train. A restore at a later step re-creates the lock state without
+    touching the loaded weights."""
+    m = test_manifest.replace(warmup={"enabled": True, "groups": ((1,), (2,)), "unlock_steps": (4, 8)})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), steps=14)
+    body = make_runtime(m, 1, "body", net)
+    tail = make_runtime(m, 2, "tail", net)
+    rts = [head, body, tail]
+    body_block, tail_block = body.stage.blocks[0], tail.stage.blocks[0]
+    assert body.arch.locked == {1} and tail.arch.locked == {2} and head.arch.locked == set()
+    assert not body_block.active and not any(p.requires_grad for p in body_block.parameters())
+    before = {n: p.detach().clone() for n, p in tail_block.named_parameters()}
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: head.version >= 14 and head.inflight == 0, timeout=60)
+        await asyncio.wait_for(drive, 5)
+        for rt in rts:
+            assert await rt.drain(5.0)
+    finally:
+        await stop_all(rts)
+    assert body.arch.locked == set() and tail.arch.locked == set()
+    assert body_block.active and tail_block.active
+    # unlocked at step 8 and trained for ~6 steps since: re-initialised, then moved by updates
+    proj = {id(p) for q in tail_block.output_projections() for p in q.parameters()}
+    moved = [n for n, p in tail_block.named_parameters() if id(p) in proj and p.abs().sum() > 0]
+    assert moved, "the unlocked block's output projection never left zero"
+    assert any(not torch.equal(p, before[n]) for n, p in tail_block.named_parameters())
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in tail.loss_history)
+
+    # a restore at step 5 (a checkpoint of the body): layer 1 is unlocked as loaded, untouched
+    fresh = make_runtime(m, 1, "body2", Net())
+    tensors, meta = body.checkpoint_state()
+    meta = {**meta, "version": 5}
+    fresh.restore(tensors, meta)
+    assert fresh.arch.locked == set() and fresh.stage.blocks[0].active
+    for (n, p), (_, q) in zip(fresh.stage.named_parameters(), body.stage.named_parameters()):
+        assert torch.equal(p, q), n
+    late = make_runtime(m, 2, "tail2", Net())
+    late.set_version(5)  # a joiner that downloaded the tail's state at step 5: layer 2 still locked
+    assert late.arch.locked == {2} and not late.stage.blocks[0].active
