@@ -33,7 +33,10 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
 
    ``tok`` and ``shift`` are our addition: every other statistic is invariant to permuting the
    token vectors of a batch, so a replay under new ids, a shuffle, or noise with the honest
-   mean and covariance matches the reference exactly while destroying the content.
+   mean and covariance matches the reference exactly while destroying the content. A third,
+   ``tokc`` (``Sentinel._tokc``), averages a sender's ``tok`` over its own last few tensors
+   and compares it with the median of the other senders' averages: persistent half-noise that
+   single tensors hide inside the ``tok`` fence adds up; a drift all senders share cancels.
 4. Verdict. Each distance is divided by its fence, a Tukey fence Q3 + κ·max(IQR, 0.1·median)
    over recent distances of *accepted* tensors (per sender, median over senders: ``Sentinel``);
    score = the largest ratio; reject when > 1 and name the distance (``sentinel:tok``...).
@@ -58,7 +61,7 @@ import torch
 from torch import Tensor
 
 DIRECTIONS = ("act", "grad")
-DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift")
+DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class SentinelParams:
     iqr_floor: float = 0.1  # the IQR used is at least this fraction of the window median
     clip: float = 3.0  # normalised values are clipped to ±clip robust units
     beta_tok: float = 0.9  # EMA decay of a token-table row (per batch the token occurs in)
+    beta_cum: float = 0.7  # tokc: EMA decay of a sender's own tok distance, per tensor of its own
     token_buckets: int = 4096  # table rows; token id -> id % token_buckets
     max_tokens: int = 8192  # tokens sorted for quantiles (a fresh random subset beyond this)
     replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks
@@ -88,8 +92,9 @@ class SentinelParams:
     min_window: int = 8  # a distance counts once its window holds this many values
 
     def __post_init__(self):
-        if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1):
-            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1)")
+        if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1
+                and 0 <= self.beta_cum < 1):
+            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1), beta_cum in [0, 1)")
         if self.warmup < 2:
             raise ValueError(f"sentinel: warmup must be >= 2 (a fence needs distances), got {self.warmup}")
         if self.window < 4:
@@ -300,7 +305,7 @@ class TokenTable:
 # Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
 # honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
 # Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
-SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01}
+SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02}
 
 
 def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) -> float:
@@ -346,6 +351,7 @@ class SenderRecord:
     out: bool = False  # its latest tensor was outside the fences
     seen: int = 0
     rejected: int = 0
+    tok_ema: float | None = None  # EMA of its tok distance over all its tensors (for tokc)
 
 
 def median_stats(items: list[Stats]) -> Stats:
@@ -552,6 +558,8 @@ class Sentinel:
                 for name, value in (("tok", state.table.agreement(tX, tkeys)), ("shift", state.table.shift(tX, tkeys))):
                     if value is not None:
                         d[name] = 1.0 - value if name == "tok" else value
+            if "tok" in d:
+                d["tokc"], _ = self._tokc(state, sender, d["tok"])
 
         basis, score, worst = "warmup", 0.0, None
         if state.accepted >= p.warmup:
@@ -573,6 +581,21 @@ class Sentinel:
         if commit:
             self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis)
         return verdict
+
+    def _tokc(self, state: _Direction, sender: str, tok: float) -> tuple[float, float]:
+        """(tokc, the sender's updated tok EMA). tokc: how far the sender's ``tok`` distance,
+        averaged over its own last few tensors (rejected ones included, EMA ``beta_cum``), lies
+        above the median of the voters' averages. A persistent small shift that single tensors
+        hide inside the ``tok`` fence (norm-matched noise on gradients) adds up in the average;
+        a drift every honest sender shares moves the median with it, so it is not flagged and
+        cannot trip shift mode. A newcomer's average starts from the voters' median."""
+        p = self.params
+        rec = state.senders.get(sender)
+        others = [r.tok_ema for r in self._voters(state) if r.tok_ema is not None and r is not rec]
+        med = statistics.median(others) if others else None
+        prev = rec.tok_ema if rec is not None and rec.tok_ema is not None else med
+        ema = tok if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * tok
+        return (0.0 if med is None else max(0.0, ema - med)), ema
 
     def _shifted(self, state: _Direction) -> bool:
         """At least 80% of the senders heard from in the last ``shift_horizon`` tensors (and at
@@ -642,6 +665,8 @@ class Sentinel:
                 target = Stats(*(getattr(rec.ema, f) + (getattr(s, f) - getattr(rec.ema, f)) * shrink
                                  for f in Stats.FIELDS))
             rec.ema.ema_(target, 1 - a)
+        if "tok" in d:
+            rec.tok_ema = self._tokc(state, sender, d["tok"])[1]
         rec.last = state.seen
         rec.seen += 1
         rec.rejected += not accept

@@ -35,11 +35,10 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from security.sentinel import DIRECTIONS, Sentinel, SentinelParams
+from security.sentinel import DIRECTIONS, DISTANCES, Sentinel, SentinelParams
 
 BASIC_REASONS = ("bad-dtype", "bad-shape", "non-finite")
-SENTINEL_REASONS = ("replay", "sentinel:l1", "sentinel:l2", "sentinel:sign", "sentinel:swd",
-                    "sentinel:scale", "sentinel:tok")
+SENTINEL_REASONS = ("replay",) + tuple(f"sentinel:{name}" for name in DISTANCES)
 DEFAULT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -308,6 +308,32 @@ def test_a_rejected_newcomer_gets_no_vote_in_the_reference():
     assert sen.judge("a", "act", probe, probe_ids, commit=False).distances != before
 
 
+@pytest.mark.parametrize("direction", ["act", "grad"])
+def test_persistent_noise_is_caught_by_the_cumulative_tok_distance(direction):
+    """An insider that mixes noise of 0.7 x the payload's RMS into every tensor, keeping each
+    token's norm, stays inside the single-tensor fences (before tokc: 29-30 of 30 accepted); its
+    tok distance averaged over its own tensors (tokc, against the median of the other senders'
+    averages) adds up and is flagged, while the honest senders are not."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 60, direction=direction, senders=("a", "b", "c", "m"), seed=31, noise=1.5)
+    g = torch.Generator().manual_seed(5)
+
+    def half_noise(x):
+        n = x + 0.7 * x.std() * torch.randn(x.shape, generator=g)
+        return n * (x.norm(dim=-1, keepdim=True) / n.norm(dim=-1, keepdim=True))
+
+    flagged, honest_rejected = [], 0
+    for t, (ids, x) in enumerate(stream(120, direction=direction, seed=32, noise=1.5)):
+        sender = "abcm"[t % 4]
+        if sender == "m":
+            j = sen.judge("m", direction, half_noise(x), ids)
+            flagged.append(j.reason)
+        else:
+            honest_rejected += not sen.judge(sender, direction, x, ids).accept
+    assert flagged.count("sentinel:tokc") >= 24, flagged
+    assert honest_rejected <= 4
+
+
 def test_replay_is_rejected_and_retransmission_is_not():
     sen = Sentinel(SentinelParams(warmup=4))
     data = list(stream(20, seed=13))
@@ -322,7 +348,7 @@ def test_replay_is_rejected_and_retransmission_is_not():
     for t, (ids, x) in enumerate(data):
         out = noisy(x, t)
     j = sen.judge("b", "act", out, data[19][0], mb=100)
-    assert not j.accept and j.reason in ("sentinel:tok", "sentinel:shift"), j
+    assert not j.accept and j.reason in ("sentinel:tok", "sentinel:tokc", "sentinel:shift"), j
 
 
 def test_commit_false_learns_nothing_and_reference_tensor():
