@@ -61,7 +61,7 @@ from protocol.messages import (
     validate_fwd,
     validate_health_request,
 )
-from security.bans import BanList, flag_weight
+from security.bans import BanList, ban_weight
 from stages.asyncmesh import LookaheadForward, StageWeights, StepPolicy
 from stages.manifest import Manifest, manifest_hash
 from stages.model import lm_loss
@@ -364,8 +364,7 @@ class StageRuntime:
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
         now = time.monotonic()
         mostly_ok = self.banlist.flag_rate(peer) < 0.5
-        weight = 1.0 if verdict.accept else flag_weight(float(getattr(verdict, "score", 0.0) or 0.0),
-                                                         self.m.sentinel.ban_margin)
+        weight = ban_weight(verdict, self.m.sentinel.ban_margin)
         if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or ""), weight=weight) \
                 and mostly_ok and self._last_replica(peer):
             # A ban exists to route around a peer. With no other replica of its stage it would only
@@ -802,7 +801,6 @@ class StageRuntime:
         self.set_version(int(meta["version"]))
         if self.batches is not None:
             self.batches.step = int(meta.get("data_step", 0))
-        self.metrics.version.set(self.la.version)
 
     # ------------------------------------------------------------------ dropping
 

@@ -242,8 +242,14 @@ def warmup_experiment(args, corpus) -> dict:
                    f"event (or diverges) on every seed {seeds}; sweep run on the baseline only, upwards, "
                    f"stopped at the first such lr (lr_sweep)")
     warm_runs = {sd: run(lr, sd, True) for sd in seeds}
-    b = {sd: _summary(r) for sd, r in base_runs.items()}
-    w = {sd: _summary(r) for sd, r in warm_runs.items()}
+
+    def both(f) -> dict:
+        """``f`` of every run: {"baseline": {seed: ...}, "warmup": {seed: ...}}."""
+        return {"baseline": {str(sd): f(r) for sd, r in base_runs.items()},
+                "warmup": {str(sd): f(r) for sd, r in warm_runs.items()}}
+
+    per_seed = both(_summary)
+    b, w = per_seed["baseline"], per_seed["warmup"]
 
     def mean_final(s: dict) -> float | None:
         vals = [x["final"] for x in s.values()]
@@ -267,18 +273,11 @@ def warmup_experiment(args, corpus) -> dict:
         "warmup_diverged": any(x["diverged"] for x in w.values()),
         "max_sharpness": {"baseline": max_sharp(b), "warmup": max_sharp(w)},
         "eos_bound_at_peak_lr": round(eos_bound(lr, o.betas[0]), 1),
-        "per_seed": {"baseline": {str(k): v for k, v in b.items()}, "warmup": {str(k): v for k, v in w.items()}},
+        "per_seed": per_seed,
         "lr_sweep": sweep,
-        "sharpness_trace": {"baseline": {str(sd): r["sharpness"] for sd, r in base_runs.items()},
-                            "warmup": {str(sd): r["sharpness"] for sd, r in warm_runs.items()}},
-        "loss_trace_every_10": {
-            "baseline": {str(sd): [r4(x) for x in r["losses"][::10]] for sd, r in base_runs.items()},
-            "warmup": {str(sd): [r4(x) for x in r["losses"][::10]] for sd, r in warm_runs.items()},
-        },
-        "loss_first_12_steps": {
-            "baseline": {str(sd): [r4(x) for x in r["losses"][:12]] for sd, r in base_runs.items()},
-            "warmup": {str(sd): [r4(x) for x in r["losses"][:12]] for sd, r in warm_runs.items()},
-        },
+        "sharpness_trace": both(lambda r: r["sharpness"]),
+        "loss_trace_every_10": both(lambda r: [r4(x) for x in r["losses"][::10]]),
+        "loss_first_12_steps": both(lambda r: [r4(x) for x in r["losses"][:12]]),
         "settings": {
             "model": {"d_model": md.d_model, "n_layers": md.n_layers, "n_heads": md.n_heads, "ffn": md.ffn_dim,
                       "seq_len": md.seq_len, "subspace_k": m.k, "block_norm": md.block_norm,
@@ -297,8 +296,7 @@ def warmup_experiment(args, corpus) -> dict:
             "unlocked_at": warm_runs[seeds[0]]["unlocked"],
             "ramp_steps": args.ramp_steps,
             "sharpness_every": args.sharpness_every,
-            "wall_s": {"baseline": {str(sd): r["wall_s"] for sd, r in base_runs.items()},
-                       "warmup": {str(sd): r["wall_s"] for sd, r in warm_runs.items()}},
+            "wall_s": both(lambda r: r["wall_s"]),
         },
     }
 

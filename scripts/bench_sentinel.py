@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from security.attacks import ATTACKS, make_attack  # noqa: E402
-from security.bans import BanList, flag_weight  # noqa: E402
+from security.bans import BanList, ban_weight  # noqa: E402
 from security.verifier import BasicVerifier, SentinelVerifier  # noqa: E402
 from stages.data import Batches, load_corpus, val_batches  # noqa: E402
 from stages.manifest import load_manifest  # noqa: E402
@@ -225,7 +225,7 @@ class Tally:
             self.tn += not rejected
         if direction == "act":
             self.sends[sender] = self.sends.get(sender, 0) + 1
-        w = flag_weight(verdict.score, self.margin) if rejected else 1.0
+        w = ban_weight(verdict, self.margin)
         if self.bans[direction].record(sender, rejected, float(step), weight=w) and sender not in self.first_ban:
             self.first_ban[sender] = step
             self.ban_sends[sender] = self.sends.get(sender, 0)
@@ -315,8 +315,7 @@ def detection(args) -> dict:
                 clean_counts[point][1] += 1
                 if not v.accept:
                     clean_rejections.append([step, point, v.reason, round(v.score, 2)])
-                w = flag_weight(v.score, m.sentinel.ban_margin) if not v.accept else 1.0
-                if clean_bans[point].record(sender, not v.accept, float(step), weight=w):
+                if clean_bans[point].record(sender, not v.accept, float(step), weight=ban_weight(v, m.sentinel.ban_margin)):
                     honest_banned.add(f"{point}:{sender}")
 
         # every attack case: its own verifiers see the honest tensors of honest replicas and the
@@ -437,8 +436,7 @@ def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
 
 
 def _flag(bans: BanList, replica: str, verdict, step: int, banned_at: dict, margin: float) -> None:
-    w = flag_weight(verdict.score, margin) if not verdict.accept else 1.0
-    if bans.record(replica, not verdict.accept, float(step), weight=w):
+    if bans.record(replica, not verdict.accept, float(step), weight=ban_weight(verdict, margin)):
         banned_at.setdefault(replica, []).append(step)
 
 

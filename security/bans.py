@@ -111,6 +111,14 @@ class BanList:
         self._peers.pop(peer, None)
 
 
+def ban_weight(verdict, margin: float) -> float:
+    """What a verdict (anything with ``accept`` and, optionally, ``score``) adds toward a ban:
+    ``flag_weight`` of its score when it was rejected; an accepted one's is never counted."""
+    if verdict.accept:
+        return 1.0
+    return flag_weight(float(getattr(verdict, "score", 0.0) or 0.0), margin)
+
+
 def flag_weight(score: float, margin: float, floor: float = 0.25) -> float:
     """How much a verifier flag of ``score`` (> 1: the worst distance over its fence, ratio)
     counts toward a ban: ``(score − 1) / margin`` clipped to ``[floor, 1]``. A score of

@@ -551,7 +551,7 @@ class Sentinel:
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
         ref = self._reference(state)
         d = distances(s, ref) if ref is not None else {}
-        tX = tkeys = None
+        tX = tkeys = tok_ema = None
         if ids is not None:
             tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
             if state.table is not None and state.table.k == k:
@@ -559,7 +559,7 @@ class Sentinel:
                     if value is not None:
                         d[name] = 1.0 - value if name == "tok" else value
             if "tok" in d:
-                d["tokc"], _ = self._tokc(state, sender, d["tok"])
+                d["tokc"], tok_ema = self._tokc(state, sender, d["tok"])
 
         basis, score, worst = "warmup", 0.0, None
         if state.accepted >= p.warmup:
@@ -579,7 +579,7 @@ class Sentinel:
             accept, basis = True, "shift"
         verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis)
         if commit:
-            self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis)
+            self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, tok_ema)
         return verdict
 
     def _tokc(self, state: _Direction, sender: str, tok: float) -> tuple[float, float]:
@@ -631,7 +631,7 @@ class Sentinel:
             state.senders.move_to_end(sender)
         return rec
 
-    def _learn(self, state, sender, direction, s, d, tX, tkeys, accept, score, basis) -> None:
+    def _learn(self, state, sender, direction, s, d, tX, tkeys, accept, score, basis, tok_ema) -> None:
         """Fold a judged tensor in.
 
         A rejected tensor moves its sender's EMA (one vote in the reference) at ``reject_weight``
@@ -665,8 +665,8 @@ class Sentinel:
                 target = Stats(*(getattr(rec.ema, f) + (getattr(s, f) - getattr(rec.ema, f)) * shrink
                                  for f in Stats.FIELDS))
             rec.ema.ema_(target, 1 - a)
-        if "tok" in d:
-            rec.tok_ema = self._tokc(state, sender, d["tok"])[1]
+        if tok_ema is not None:
+            rec.tok_ema = tok_ema  # computed with tokc in _judge
         rec.last = state.seen
         rec.seen += 1
         rec.rejected += not accept

@@ -90,9 +90,10 @@ class ArchWarmup:
     optimizer so any state it might hold for those parameters is dropped (they start fresh).
     With ``manifest.warmup.enabled = false`` nothing is ever locked. ``manifest.warmup.ramp_steps
     > 0`` blends each unlocked block in over that many steps (module docstring; ``gates`` holds
-    the current factors); the ``ramp_steps`` argument overrides the manifest (tests, sweeps). In an asynchronous pipeline a recomputed backward sees the gate of the step it
-    runs at, which may be one ramp increment past its forward's; use ``ramp_steps = 0`` where
-    that matters.
+    the current factors); the ``ramp_steps`` argument overrides the manifest (tests, sweeps).
+    In an asynchronous pipeline a recomputed backward sees the gate of the step it runs at,
+    which may be one ramp increment past its forward's; use ``ramp_steps = 0`` where that
+    matters.
     """
 
     def __init__(self, manifest, module: nn.Module, step: int = 0, ramp_steps: int | None = None):
@@ -116,11 +117,7 @@ class ArchWarmup:
                     if layer in self.blocks:  # a stage only handles its own blocks
                         self.unlock_at[int(layer)] = int(at)
         self.locked: set[int] = set()
-        for layer, at in self.unlock_at.items():
-            if at > step:
-                self._lock(self.blocks[layer])
-                self.locked.add(layer)
-        self._update_gates(step)  # resuming inside a ramp window
+        self.sync(step)  # lock what is not due yet; resuming inside a ramp window re-creates the gate
 
     @staticmethod
     def _lock(block: nn.Module) -> None:
@@ -162,9 +159,7 @@ class ArchWarmup:
         for layer, at in self.unlock_at.items():
             block = self.blocks[layer]
             if at <= step and layer in self.locked:
-                for p in block.parameters():
-                    p.requires_grad_(True)
-                block.active = True
+                self._activate(block)
                 self.locked.discard(layer)
             elif at > step and layer not in self.locked:
                 self._lock(block)
@@ -209,6 +204,10 @@ class ArchWarmup:
         for proj in block.output_projections():
             for p in proj.parameters():
                 p.zero_()
+        self._activate(block)
+
+    @staticmethod
+    def _activate(block: nn.Module) -> None:
         for p in block.parameters():
             p.requires_grad_(True)
             p.grad = None

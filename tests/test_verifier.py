@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from security.bans import BanList, flag_weight
+from security.bans import BanList, ban_weight, flag_weight
 from security.verifier import BasicVerifier, SentinelVerifier, Verdict, Verifier, make_verifier
 from stages.manifest import load_manifest
 
@@ -145,6 +145,8 @@ def test_flag_weight_by_score_over_the_fence():
     assert flag_weight(0.0, 0.5) == 1.0 and flag_weight(float("inf"), 0.5) == 1.0
     assert flag_weight(float("nan"), 0.5) == 1.0
     assert flag_weight(1.05, 0.0) == 1.0  # margin 0: the unweighted rule
+    assert ban_weight(Verdict(False, "sentinel:tok", 1.05), 0.5) == 0.25
+    assert ban_weight(Verdict(False, "bad-shape"), 0.5) == 1.0  # no score: a rule, counts fully
     with pytest.raises(ValueError):
         flag_weight(1.2, -1.0)
 

@@ -31,6 +31,20 @@ def _step(model, opt, arch, step):
     lm_loss(model(ids), ids).backward()
     opt.step()
 
+def _trained_then_unlocked(m, ramp_steps=None):
+    """Three steps with layers 1 and 2 locked, then the unlock at step 3: (model, arch, opt,
+    ids, the output just before the unlock, the layers unlocked)."""
+    model = build_model(m)
+    arch = ArchWarmup(m, model, ramp_steps=ramp_steps)
+    opt = build_optimizer(m, model)
+    for step in range(3):
+        _step(model, opt, arch, step)
+    ids = _ids(100)
+    with torch.no_grad():
+        before = model(ids)
+    return model, arch, opt, ids, before, arch.apply(3, opt)
+
+
 
 def test_locked_block_is_exact_identity():
     m = _manifest()
@@ -68,15 +82,7 @@ def test_locked_params_never_change(optim):
 
 def test_unlock_preserves_function_and_block_then_trains():
     m = _manifest("adamw")
-    model = build_model(m)
-    arch = ArchWarmup(m, model)
-    opt = build_optimizer(m, model)
-    for step in range(3):
-        _step(model, opt, arch, step)
-    ids = _ids(100)
-    with torch.no_grad():
-        before = model(ids)
-    new = arch.apply(3, opt)
+    model, arch, opt, ids, before, new = _trained_then_unlocked(m)
     assert new == [1] and arch.active_layers() == [0, 1] and arch.locked == {2}
     block = model.layers[1]
     assert block.active
@@ -163,15 +169,8 @@ def test_default_schedule():
 
 def test_ramp_blends_the_unlocked_block_in_linearly():
     m = _manifest("adamw")
-    model = build_model(m)
-    arch = ArchWarmup(m, model, ramp_steps=4)
-    opt = build_optimizer(m, model)
-    for step in range(3):
-        _step(model, opt, arch, step)
-    ids = _ids(100)
-    with torch.no_grad():
-        before = model(ids)
-    assert arch.apply(3, opt) == [1] and arch.gates == {1: 0.25}
+    model, arch, opt, ids, before, new = _trained_then_unlocked(m, ramp_steps=4)
+    assert new == [1] and arch.gates == {1: 0.25}
     with torch.no_grad():
         assert torch.equal(model(ids), before)  # still exactly the identity at the unlock step
     opt.zero_grad(set_to_none=True)
@@ -248,15 +247,8 @@ def test_pre_norm_unlock_preserves_function_and_trains():
     identity, the writers get gradient, and after one update the branch is small (it grows with
     its writers instead of jumping to RMS 1 as a peri-norm branch does)."""
     m = _manifest("adamw").replace(model={"block_norm": "pre"})
-    model = build_model(m)
-    arch = ArchWarmup(m, model)
-    opt = build_optimizer(m, model)
-    for step in range(3):
-        _step(model, opt, arch, step)
-    ids = _ids(100)
-    with torch.no_grad():
-        before = model(ids)
-    assert arch.apply(3, opt) == [1]
+    model, arch, opt, ids, before, new = _trained_then_unlocked(m)
+    assert new == [1]
     with torch.no_grad():
         assert torch.equal(model(ids), before)
     opt.zero_grad(set_to_none=True)
