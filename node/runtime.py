@@ -57,6 +57,7 @@ from protocol.messages import (
     make_health,
     make_health_request,
     make_reject,
+    parse_health,
     validate_bwd,
     validate_fwd,
     validate_health_request,
@@ -605,9 +606,29 @@ class StageRuntime:
         self.metrics.request(protocol, "failed", peer)
         self.metrics.bans.labels(cause="unreachable").inc()
         log.warning("%s to %s failed (%s); banned for %.0f s", protocol, peer[-8:], type(err).__name__, seconds)
+        self._lost_next_hop(peer)
+
+    def _lost_next_hop(self, peer: str, sent_before: float | None = None) -> None:
+        """Drop every microbatch sent to ``peer`` (before ``sent_before``, monotonic time, if given)
+        whose gradient can no longer come back."""
         for mb, ctx in list(self.contexts.items()):
-            if ctx.next_peer == peer and ctx.sent_at:
+            if ctx.next_peer == peer and ctx.sent_at and (sent_before is None or ctx.sent_at < sent_before):
                 self._drop(mb, "next-hop-lost", skip=Reason.INTERNAL)
+
+    def _check_restarted(self, peer: str, reply) -> None:
+        """``peer`` answered a health probe. If it started after we sent it a microbatch (killed and
+        restarted with the same identity), that microbatch died with its old process: drop it now
+        rather than at the context TTL, or its in-flight slot stays taken."""
+        try:
+            uptime = float(parse_health(reply)["uptime_s"])
+        except (ProtocolError, KeyError, TypeError, ValueError):
+            return
+        started = time.monotonic() - uptime
+        lost = [ctx for ctx in self.contexts.values() if ctx.next_peer == peer and 0 < ctx.sent_at < started]
+        if lost:
+            log.info("%s restarted %.1f s ago: %d microbatch(es) sent to it before are lost", peer[-8:], uptime,
+                     len(lost))
+            self._lost_next_hop(peer, sent_before=started)
 
     # ------------------------------------------------------------------ inbound bwd
 
@@ -965,17 +986,41 @@ class StageRuntime:
         try:
             for attempt in range(attempts):
                 try:
-                    await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
+                    reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
+                    self._check_restarted(peer, reply)
                     return
                 except (PeerBusy, PeerRejected):
                     return
                 except (asyncio.TimeoutError, PeerUnreachable, ConnectionError, OSError) as e:
-                    if attempt + 1 == attempts:
-                        self._peer_failed(peer, "health", e)
-                    else:
+                    if attempt + 1 < attempts:
                         await asyncio.sleep(0.2)
+                    elif await self._redial(peer):
+                        # it restarted on a new address our p2pd did not know yet
+                        log.info("%s answers again at its announced address", peer[-8:])
+                    else:
+                        self._peer_failed(peer, "health", e)
         finally:
             self._probing.discard(peer)
+
+    async def _redial(self, peer: str) -> bool:
+        """Dial ``peer`` at the multiaddrs it announced in the DHT, then health-probe it once."""
+        p = self.router.peers.get(peer)
+        connect = getattr(self.transport, "connect", None)
+        if p is None or not p.maddrs or connect is None:
+            return False
+        for maddr in p.maddrs:
+            if not maddr.endswith(f"/p2p/{peer}"):
+                continue
+            try:
+                await connect(maddr, timeout=3.0)
+                reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
+                self._check_restarted(peer, reply)
+                return True
+            except (PeerBusy, PeerRejected):
+                return True
+            except (asyncio.TimeoutError, PeerUnreachable, ConnectionError, OSError, ValueError):
+                continue
+        return False
 
     # ------------------------------------------------------------------ maintenance
 

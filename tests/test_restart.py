@@ -57,7 +57,8 @@ def test_killed_node_resumes_from_its_checkpoint_with_the_same_identity(tmp_path
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and sw.value(again, "swarm_node_version") < newest + 20:
             time.sleep(0.25)
-        assert sw.value(again, "swarm_node_version") >= newest + 20, again.logs()[-3000:]
+        assert sw.value(again, "swarm_node_version") >= newest + 20, (
+            "tail:\n" + again.logs()[-3000:] + "\nhead:\n" + sw.nodes[0].logs()[-6000:])
         assert sw.value(again, "swarm_node_steps_total") >= 20
         losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", again.logs())]
         assert losses and max(losses) < 5.0  # a resumed model, not a fresh one (ln 256 = 5.55)

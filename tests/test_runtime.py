@@ -69,6 +69,8 @@ class MemTransport:
         self.handlers, self.stream_handlers, self.limits = {}, {}, {}
         self.down = False  # an unreachable peer (kill -9)
         self.sent: list[tuple[str, str, dict]] = []
+        self.undialled: set[str] = set()  # peers whose (new) address this transport does not know
+        self.dialled: list[str] = []
         net.peers[peer_id] = self
 
     async def serve(self, protocol_id, handler, *, limits=None):
@@ -81,9 +83,18 @@ class MemTransport:
 
     def _target(self, peer):
         t = self.net.peers.get(peer)
-        if t is None or t.down or self.down:
+        if t is None or t.down or self.down or peer in self.undialled:
             raise PeerUnreachable(f"cannot reach {peer}")
         return t
+
+    async def connect(self, maddr, timeout=10):
+        """Like p2pd learning a peer's new address: ``undialled`` peers become reachable."""
+        peer = maddr.rsplit("/p2p/", 1)[-1]
+        self.dialled.append(maddr)
+        if peer not in self.net.peers or self.net.peers[peer].down:
+            raise PeerUnreachable(f"cannot dial {maddr}")
+        self.undialled.discard(peer)
+        return peer
 
     async def request(self, peer, protocol_id, header, tensors=(), *, timeout):
         target = self._target(peer)
@@ -354,6 +365,63 @@ async def test_dead_next_hop_is_probed_banned_and_traffic_moves(test_manifest):
     assert recovered < 10
     assert value(head, "swarm_node_bans_total", cause="unreachable") >= 1
     assert value(head, "swarm_node_banned_peers") == 1
+
+
+async def _restart_next_hop(m, *, new_address: bool):
+    """Head and tail; the tail is killed with the head's microbatches in flight and restarted at
+    once with the same peer id. Returns (head, new tail, seconds until it made 5 steps)."""
+    m = m.replace(stages={"layout": [[0, 2], [2, m.model.n_layers]]})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
+    tail = make_runtime(m, 1, "tail", net)
+    link([head, tail])
+    await start_all([head, tail])
+    drive = asyncio.ensure_future(head.drive())
+    maintain = [asyncio.ensure_future(head.maintain(period=0.05))]
+    again = None
+    try:
+        assert await wait_for(lambda: tail.version >= 3, timeout=60)
+        # kill -9 while the head waits for gradients: they never come back
+        assert await wait_for(lambda: any(c.next_peer == "tail" and c.sent_at for c in head.contexts.values()),
+                              timeout=30)
+        tail.transport.down = True
+        await tail.stop()
+        again = make_runtime(m, 1, "tail", net)  # same identity, fresh process (new uptime)
+        if new_address:  # it listens on a new port that the head's p2pd has not seen yet
+            head.router.peers["tail"].maddrs = ["/ip4/127.0.0.1/tcp/4242/p2p/tail"]
+            head.transport.undialled.add("tail")
+        await start_all([again])
+        maintain.append(asyncio.ensure_future(again.maintain(period=0.05)))
+        t0 = time.monotonic()
+        ok = await wait_for(lambda: again.version >= 5, timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        drive.cancel()
+        for t in maintain:
+            t.cancel()
+        await stop_all([head] + ([again] if again is not None else []))
+    assert ok, f"the restarted next hop got {again.version} steps; head contexts {list(head.contexts.values())}"
+    return head, again, took
+
+
+@pytest.mark.asyncio
+async def test_restarted_next_hop_loses_in_flight_microbatches_without_a_ttl_wait(test_manifest):
+    """The probe reaches the restarted peer (same id): its uptime says the microbatches sent
+    before it started died with the old process, so they are dropped and the head's in-flight
+    slots free up at once instead of after context_ttl (120 s)."""
+    head, again, took = await _restart_next_hop(test_manifest, new_address=False)
+    assert took < 10
+    assert value(head, "swarm_node_bans_total", cause="unreachable") == 0
+
+
+@pytest.mark.asyncio
+async def test_restarted_next_hop_on_a_new_address_is_redialled_not_banned(test_manifest):
+    """The restarted peer listens on an address the head's transport does not know yet: the failed
+    probe dials the multiaddrs it announced and finds it there, without banning it."""
+    head, again, took = await _restart_next_hop(test_manifest, new_address=True)
+    assert head.transport.dialled == ["/ip4/127.0.0.1/tcp/4242/p2p/tail"]
+    assert took < 10
+    assert value(head, "swarm_node_bans_total", cause="unreachable") == 0
 
 
 @pytest.mark.asyncio
