@@ -7,18 +7,23 @@ Prints ONE JSON object:
 - ``trunc_loss_increase``: after training, every hidden matrix (the ones Muon orthogonalises)
   is replaced by its best rank-⌈f·min(m, n)⌉ approximation (SVD) for f = 0.25 and 0.5; the
   increase in validation loss, per optimizer and fraction.
-- ``warmup``: architecture warm-up (stages/warmup.py, default schedule: the odd layers locked,
-  unlocked in 4 groups, one every ``--unlock-every`` steps after the LR warm-up ends) against the
-  same AdamW run with all blocks active from step 0 (baseline), on a deeper, narrower model with
-  standard pre-norm blocks (``model.block_norm = "pre"``, d=32, 24 layers, k = 4) and no LR
-  warm-up in either run (papers §5: arch warm-up can replace it). The peak ``lr`` is chosen by a
-  sweep on the baseline only (``how_lr_chosen``, ``lr_sweep``), then both are run on every seed.
+- ``warmup``: architecture warm-up (stages/warmup.py, ``default_warmup_schedule``: layers 0, k,
+  2k, … active from step 0 (``--warmup-keep-every k``, default 8: 3 of 24 layers), the others
+  locked and unlocked in ``--warmup-groups`` groups (default 7), one every ``--unlock-every``
+  steps after the LR warm-up ends) against the same AdamW run with all blocks active from step 0
+  (baseline), on a deeper, narrower model: d=32, 24 layers, **post-norm** blocks by default
+  (``model.block_norm = "post"``, which needs a dense run: ``subspace.enabled = false``;
+  ``--warmup-block-norm pre`` gives the Subspace pre-norm model, k = 4) and no LR warm-up in
+  either run (papers §5: arch warm-up can replace it). The peak ``lr`` is chosen by a sweep on
+  the baseline only (``how_lr_chosen``, ``lr_sweep``), then both are run on every seed.
   ``baseline_spikes`` / ``warmup_spikes`` (spike events of the training loss summed over seeds,
-  definition in ``settings.spike_rule``), ``baseline_final`` / ``warmup_final`` (mean final
-  validation loss over seeds; null if a run diverged), ``max_sharpness`` (largest preconditioned
-  sharpness λ_max(P^{-1/2} H P^{-1/2}) measured every ``sharpness_every`` steps, P from AdamW's v),
-  the adaptive edge-of-stability bound at the peak lr, ``per_seed`` details and the settings.
-- ``settings``: the optimizer comparison's model, steps, tokens, lrs; the spike rule; timings.
+  definition in ``settings.spike_rule``), ``baseline_stalled`` / ``warmup_stalled`` (seeds whose
+  run ended no better than the unigram predictor, ``settings.stall_rule``, ``unigram_val_loss``),
+  ``baseline_final`` / ``warmup_final`` (mean final validation loss over seeds; null if a run
+  diverged), ``max_sharpness`` (largest preconditioned sharpness λ_max(P^{-1/2} H P^{-1/2})
+  measured every ``sharpness_every`` steps, P from AdamW's v), the adaptive edge-of-stability
+  bound at the peak lr, ``per_seed`` details and the settings.
+- ``settings``: the optimizer comparison's model, steps, tokens, lrs; the spike and stall rules; timings.
 
 The optimizer comparison uses a deeper, narrower variant of the default model (d=48, 16 layers,
 Subspace writers with k = 6, the default peri-norm blocks) on the default stdlib corpus.
@@ -51,6 +56,10 @@ SPIKE_RULE = ("from step 5 on, a spike event starts at a step whose training los
               "median of the previous (up to) 10 steps and that median by >= 0.3 nats; it ends when "
               "the loss is back below 1.05x that median; a non-finite loss counts as a spike and "
               "ends the run (diverged)")
+STALL_MARGIN = 0.1
+STALL_RULE = (f"a run stalled if it did not diverge and its final validation loss is not below the unigram "
+              f"loss (unigram_val_loss: the best token-independent predictor, byte frequencies of the training "
+              f"split with add-one smoothing, on the same validation batches) by at least {STALL_MARGIN} nats")
 
 
 def base_manifest(args):
@@ -172,6 +181,14 @@ def truncated_loss(model, val, frac: float) -> float:
     return loss
 
 
+@torch.no_grad()
+def unigram_loss(train_tokens: torch.Tensor, val, vocab_size: int = 256) -> float:
+    """Validation loss of the unigram predictor (``STALL_RULE``), averaged like ``evaluate``."""
+    counts = torch.bincount(train_tokens.long().flatten(), minlength=vocab_size).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return float(sum(float(-logp[x[:, 1:]].mean()) for x in val) / len(val))
+
+
 def r4(x: float) -> float | None:
     return round(x, 4) if math.isfinite(x) else None
 
@@ -182,11 +199,16 @@ def warmup_manifest(args):
     ns = argparse.Namespace(layers=args.warmup_layers, d_model=args.warmup_d_model, k=args.warmup_k,
                             seq_len=args.seq_len, batch=args.batch, lr_warmup=args.warmup_lr_warmup,
                             steps=args.warmup_run_steps)
-    return base_manifest(ns).replace(model={"block_norm": args.warmup_block_norm})
+    m = base_manifest(ns)
+    # post-norm rescales the whole stream (T[x] included): only a dense run can use it (manifest)
+    return m.replace(model={"block_norm": args.warmup_block_norm},
+                     subspace={"enabled": args.warmup_block_norm != "post"})
 
 
-def _summary(r: dict) -> dict:
+def _summary(r: dict, unigram: float) -> dict:
+    stalled = not r["diverged"] and r["val_loss"] > unigram - STALL_MARGIN
     return {"spike_steps": spike_steps(r["losses"]), "final": r4(r["val_loss"]), "diverged": r["diverged"],
+            "stalled": stalled,
             "max_sharpness": max((s for _, s in r["sharpness"]), default=None),
             "min_train_loss": r4(min(r["losses"])) if r["losses"] else None}
 
@@ -195,14 +217,16 @@ def warmup_experiment(args, corpus) -> dict:
     """Baseline (all blocks from step 0) vs architecture warm-up, same AdamW and LR schedule.
 
     The peak lr is swept upwards on the baseline only (every seed); the chosen lr is the smallest
-    one at which the baseline has a spike event (or diverges) on every seed, and only then is the
-    warm-up run at that lr (so the choice never looks at the warm-up's result). ``--high-lr``
-    skips the sweep."""
+    one at which the baseline fails on every seed (a spike event, a divergence, or a stall:
+    ``STALL_RULE``), and only then is the warm-up run at that lr (so the choice never looks at
+    the warm-up's result). ``--high-lr`` skips the sweep."""
     m = warmup_manifest(args)
     steps = args.warmup_run_steps
     layers = m.model.n_layers
     val = val_batches(corpus.val, args.batch, args.seq_len, args.val_batches)
-    groups, unlock = default_warmup_schedule(layers, args.warmup_lr_warmup, args.unlock_every)
+    unigram = unigram_loss(corpus.train, val, m.model.vocab_size)
+    groups, unlock = default_warmup_schedule(layers, args.warmup_lr_warmup, args.unlock_every,
+                                             n_groups=args.warmup_groups, keep_every=args.warmup_keep_every)
     seeds = [int(x) for x in args.seeds.split(",")]
 
     def manifest_at(lr: float, seed: int):
@@ -223,24 +247,24 @@ def warmup_experiment(args, corpus) -> dict:
         lr = args.high_lr
         how = f"given on the command line (--high-lr {lr}); no sweep"
         base_runs = {sd: run(lr, sd, False) for sd in seeds}
-        sweep[str(lr)] = {str(sd): _summary(r) for sd, r in base_runs.items()}
+        sweep[str(lr)] = {str(sd): _summary(r, unigram) for sd, r in base_runs.items()}
     else:
         lrs = sorted(float(x) for x in args.lr_sweep.split(","))
         lr = None
         for cand in lrs:
             rs = {sd: run(cand, sd, False) for sd in seeds}
-            sweep[str(cand)] = {str(sd): _summary(r) for sd, r in rs.items()}
-            if all(spike_steps(r["losses"]) or r["diverged"] for r in rs.values()):
+            sweep[str(cand)] = {str(sd): _summary(r, unigram) for sd, r in rs.items()}
+            if all(x["spike_steps"] or x["diverged"] or x["stalled"] for x in sweep[str(cand)].values()):
                 lr, base_runs = cand, rs
                 break
         if lr is None:
             lr, base_runs = lrs[-1], rs
-            how = (f"sweep {lrs} on the baseline, seeds {seeds}: the baseline had a spike event on every "
-                   f"seed at none of them; the largest was used")
+            how = (f"sweep {lrs} on the baseline, seeds {seeds}: the baseline failed (spike event, divergence "
+                   f"or stall) on every seed at none of them; the largest was used")
         else:
-            how = (f"the smallest peak lr of the sweep {lrs} at which the all-blocks baseline has a spike "
-                   f"event (or diverges) on every seed {seeds}; sweep run on the baseline only, upwards, "
-                   f"stopped at the first such lr (lr_sweep)")
+            how = (f"the smallest peak lr of the sweep {lrs} at which the all-blocks baseline fails on every "
+                   f"seed {seeds}: a spike event, a divergence or a stall (spike_rule, stall_rule); sweep run "
+                   f"on the baseline only, upwards, stopped at the first such lr (lr_sweep)")
     warm_runs = {sd: run(lr, sd, True) for sd in seeds}
 
     def both(f) -> dict:
@@ -248,7 +272,7 @@ def warmup_experiment(args, corpus) -> dict:
         return {"baseline": {str(sd): f(r) for sd, r in base_runs.items()},
                 "warmup": {str(sd): f(r) for sd, r in warm_runs.items()}}
 
-    per_seed = both(_summary)
+    per_seed = both(lambda r: _summary(r, unigram))
     b, w = per_seed["baseline"], per_seed["warmup"]
 
     def mean_final(s: dict) -> float | None:
@@ -271,6 +295,9 @@ def warmup_experiment(args, corpus) -> dict:
         "warmup_final": mean_final(w),
         "baseline_diverged": any(x["diverged"] for x in b.values()),
         "warmup_diverged": any(x["diverged"] for x in w.values()),
+        "baseline_stalled": sum(x["stalled"] for x in b.values()),
+        "warmup_stalled": sum(x["stalled"] for x in w.values()),
+        "unigram_val_loss": r4(unigram),
         "max_sharpness": {"baseline": max_sharp(b), "warmup": max_sharp(w)},
         "eos_bound_at_peak_lr": round(eos_bound(lr, o.betas[0]), 1),
         "per_seed": per_seed,
@@ -280,7 +307,8 @@ def warmup_experiment(args, corpus) -> dict:
         "loss_first_12_steps": both(lambda r: [r4(x) for x in r["losses"][:12]]),
         "settings": {
             "model": {"d_model": md.d_model, "n_layers": md.n_layers, "n_heads": md.n_heads, "ffn": md.ffn_dim,
-                      "seq_len": md.seq_len, "subspace_k": m.k, "block_norm": md.block_norm,
+                      "seq_len": md.seq_len, "subspace": m.subspace.enabled,
+                      "subspace_k": m.k if m.subspace.enabled else None, "block_norm": md.block_norm,
                       "token_table_scale": m.subspace.token_table_scale},
             "optimizer": {"name": "adamw", "betas": list(o.betas), "eps": o.eps,
                           "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
@@ -291,6 +319,7 @@ def warmup_experiment(args, corpus) -> dict:
             "steps": steps,
             "batch": args.batch,
             "tokens_per_run": steps * args.batch * args.seq_len,
+            "active_from_start": [i for i in range(layers) if i % args.warmup_keep_every == 0],
             "groups": [list(g) for g in groups],
             "unlock_steps": list(unlock),
             "unlocked_at": warm_runs[seeds[0]]["unlocked"],
@@ -315,19 +344,25 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-d-model", type=int, default=32, help="warm-up experiment: width")
     ap.add_argument("--warmup-layers", type=int, default=24, help="warm-up experiment: depth")
     ap.add_argument("--warmup-k", type=int, default=4, help="warm-up experiment: subspace rank")
-    ap.add_argument("--warmup-block-norm", choices=["peri", "pre"], default="pre",
-                    help="warm-up experiment: model.block_norm (pre: standard pre-norm blocks)")
+    ap.add_argument("--warmup-block-norm", choices=["peri", "pre", "post"], default="post",
+                    help="warm-up experiment: model.block_norm (pre: standard pre-norm blocks; post: post-LN "
+                         "blocks, which makes the warm-up model dense, subspace.enabled = false)")
     ap.add_argument("--warmup-lr-warmup", type=int, default=0,
                     help="warm-up experiment: LR warm-up steps of both runs (0: none; arch warm-up replaces it)")
     ap.add_argument("--warmup-weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup-aux-lr", type=float, default=None,
                     help="warm-up experiment: peak lr of the embedding and LM head (default: the same lr as "
                          "the blocks), to test whether an instability comes from the blocks")
-    ap.add_argument("--lr-sweep", default="0.1,0.2,0.3",
-                    help="peak lrs tried upwards on the baseline; the first that spikes on every seed is used")
+    ap.add_argument("--lr-sweep", default="0.003,0.01,0.03",
+                    help="peak lrs tried upwards on the baseline; the first at which it fails (spike, divergence "
+                         "or stall) on every seed is used")
     ap.add_argument("--high-lr", type=float, default=None, help="peak lr of the warm-up experiment (skips the sweep)")
     ap.add_argument("--seeds", default="0,1", help="warm-up experiment seeds (run.seed offsets: init and data order)")
     ap.add_argument("--unlock-every", type=int, default=20)
+    ap.add_argument("--warmup-keep-every", type=int, default=8,
+                    help="warm-up schedule: layers 0, k, 2k, ... active from step 0, the others locked (8: 3 of 24; "
+                         "2: half the depth, papers §5's default)")
+    ap.add_argument("--warmup-groups", type=int, default=7, help="warm-up schedule: number of unlock groups")
     ap.add_argument("--ramp-steps", type=int, default=0, help="blend-in steps of an unlocked block (0: off)")
     ap.add_argument("--sharpness-every", type=int, default=25)
     ap.add_argument("--val-batches", type=int, default=16)
@@ -339,6 +374,7 @@ def main(argv=None) -> int:
         args.k, args.seq_len, args.batch, args.lr_warmup = 4, 32, 4, 2
         args.unlock_every, args.sharpness_every, args.val_batches, args.ramp_steps = 2, 4, 2, 2
         args.warmup_d_model, args.warmup_layers, args.warmup_k, args.lr_sweep = 32, 4, 4, "0.1,0.3"
+        args.warmup_keep_every, args.warmup_groups = 2, 4
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
@@ -387,6 +423,7 @@ def main(argv=None) -> int:
         "corpus": corpus.description,
         "hidden_matrices": "every >=2-D parameter but the embedding and LM head (Subspace writers: Z)",
         "spike_rule": SPIKE_RULE,
+        "stall_rule": STALL_RULE,
         "sharpness": "lambda_max(P^-1/2 H P^-1/2) over the blocks' matrices on a fixed training batch, "
                      "P = diag(sqrt(v_hat)+eps) of AdamW; 5 HVPs per measurement, warm-started, Lanczos "
                      "(Rayleigh-Ritz) over the power-iteration Krylov space",

@@ -27,7 +27,7 @@ KNOWN_OPTIMIZERS = ("adamw", "adam", "nadam", "sgd", "muon", "numuon")
 KNOWN_SCHEDULES = ("constant", "cosine", "linear")
 KNOWN_DATA_SOURCES = ("stdlib", "text", "hf")
 KNOWN_PIPELINE_MODES = ("lookahead", "none", "gpipe")
-KNOWN_BLOCK_NORMS = ("peri", "pre")
+KNOWN_BLOCK_NORMS = ("peri", "pre", "post")
 
 
 class ManifestError(ValueError):
@@ -54,7 +54,8 @@ class ModelConfig:
     init_std: float = 0.02
     # where the weightless RMSNorms sit in a block: "peri" (default; input and branch output,
     # h + rmsnorm(f(rmsnorm(h))), papers §1) or "pre" (the standard pre-norm block,
-    # h + f(rmsnorm(h)); benchmark variant, scripts/bench_optim.py warm-up experiment)
+    # h + f(rmsnorm(h)); benchmark variant, scripts/bench_optim.py warm-up experiment) or "post"
+    # (post-LN, rmsnorm(h + f(h)); dense runs only: it rescales T[x] and breaks the Subspace codec)
     block_norm: str = "peri"
 
     @property
@@ -380,6 +381,12 @@ def validate_manifest(m: Manifest) -> None:
     if md.block_norm not in KNOWN_BLOCK_NORMS:
         raise ManifestError(
             f"model.block_norm: unknown placement {md.block_norm!r}; known: {', '.join(KNOWN_BLOCK_NORMS)}"
+        )
+    if md.block_norm == "post" and m.subspace.enabled:
+        raise ManifestError(
+            "model.block_norm: 'post' (post-norm blocks) needs subspace.enabled = false: a post-norm "
+            "block rescales the whole residual stream, so h - T[x] leaves span(U) and the Subspace "
+            "boundary codec is not exact; use a dense run or block_norm 'peri' / 'pre'"
         )
     if md.vocab_size > 2**31 - 1:
         raise ManifestError("model.vocab_size: too large")

@@ -25,6 +25,14 @@ the residual stream grows with depth and so does curvature. It exists as the set
 architecture warm-up benchmark (papers §5 studies standard pre-norm transformers; the peri-norm
 model barely spikes at any lr we tried, scripts/bench_optim.py).
 
+Post-norm variant (``model.block_norm = "post"``, dense runs only): the original Transformer's
+post-LN block, ``h ← rmsnorm(h + Attn(h))``, ``h ← rmsnorm(h + FFN(h))``, and the embedding is
+normalised too, ``h0 = rmsnorm(T[x] + E[x])``, so every block sees a stream of RMS 1. The norm
+rescales the whole stream, T[x] included, so ``h − T[x]`` leaves span(U) and the Subspace codec
+would not be exact: the manifest refuses "post" unless ``subspace.enabled = false``. It is the
+canonical depth-unstable block (deep post-LN is reported to fail without LR warm-up; here a deep
+one stalls at the unigram loss, docs/TRAINING.md), the setting of the warm-up benchmark.
+
 Dense variant (``subspace.enabled = false``): unconstrained writers and a full-width learned
 embedding on top of the same frozen table, ``h0 = T[x] + E[x]``, so dense and subspace differ
 only in the constraint. (Equivalent to a learned embedding initialised at T whose T part is
@@ -173,28 +181,44 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer with post-branch weightless RMSNorm (keeps h in T[x] + span(U)), or
-    with ``pre_norm = True`` the standard pre-norm layer (no norm on the branch output).
+    """One decoder layer; ``norm`` says where its weightless RMSNorms sit:
 
-    ``active = False`` makes the block an exact identity (architecture warm-up skips it).
-    ``constrained`` says whether its writers are ``U·Z``.
+    - ``"peri"`` (default): input and branch output, ``h + rmsnorm(f(rmsnorm(h)))`` (keeps h in
+      T[x] + span(U));
+    - ``"pre"``: the standard pre-norm layer ``h + f(rmsnorm(h))`` (no norm on the branch output);
+    - ``"post"``: the original Transformer's post-norm layer ``rmsnorm(h + f(h))`` per sublayer
+      (rescales the whole stream, so only for dense runs; the manifest enforces it).
+
+    ``active = False`` makes the block an exact identity (architecture warm-up skips it,
+    norms included). ``constrained`` says whether its writers are ``U·Z``.
 
     Zeroing ``output_projections()`` also makes the block an identity (rmsnorm(0) = 0), but in
     the peri-norm block not a gentle one: the post-branch norm's Jacobian at 0 is I/sqrt(eps),
     so the first update gives the branch its full RMS-1 output at once (Adam's step is
-    sign-like, so it stays finite). In the pre-norm block the branch grows with its writers.
+    sign-like, so it stays finite). In the pre-norm block the branch grows with its writers. In
+    the post-norm block zero writers give ``rmsnorm(rmsnorm(h))``: the identity up to a relative
+    ``eps / mean(h²)`` when h is already normalised (the output of a post-norm block, or the
+    post-norm model's normalised embedding).
     """
 
     def __init__(self, d: int, n_heads: int, ffn_dim: int, eps: float, k: int | None, layer: int,
-                 pre_norm: bool = False):
+                 pre_norm: bool = False, norm: str | None = None):
         super().__init__()
+        if norm is None:
+            norm = "pre" if pre_norm else "peri"
+        if norm not in ("peri", "pre", "post"):
+            raise ValueError(f"Block: unknown norm placement {norm!r}")
         self.layer = layer  # global layer index
         self.eps = eps
-        self.pre_norm = pre_norm
+        self.norm = norm
         self.constrained = k is not None
         self.active: bool = True
         self.attn = Attention(d, n_heads, k)
         self.mlp = SwiGLU(d, ffn_dim, k)
+
+    @property
+    def pre_norm(self) -> bool:
+        return self.norm == "pre"
 
     def output_projections(self) -> list[WriterLinear]:
         """The residual writers ``[attn.out_proj, mlp.down_proj]`` (each has one param, ``weight``)."""
@@ -203,16 +227,18 @@ class Block(nn.Module):
     def forward(self, h: Tensor, rope: tuple[Tensor, Tensor], U: Tensor | None = None) -> Tensor:
         if not self.active:
             return h
-        if self.pre_norm:
+        if self.norm == "pre":
             h = h + self.attn(rmsnorm(h, self.eps), rope, U)
             return h + self.mlp(rmsnorm(h, self.eps), U)
+        if self.norm == "post":
+            h = rmsnorm(h + self.attn(h, rope, U), self.eps)
+            return rmsnorm(h + self.mlp(h, U), self.eps)
         h = h + rmsnorm(self.attn(rmsnorm(h, self.eps), rope, U), self.eps)
         h = h + rmsnorm(self.mlp(rmsnorm(h, self.eps), U), self.eps)
         return h
 
     def extra_repr(self) -> str:
-        norm = "pre" if self.pre_norm else "peri"
-        return f"layer={self.layer}, norm={norm}, constrained={self.constrained}, active={self.active}"
+        return f"layer={self.layer}, norm={self.norm}, constrained={self.constrained}, active={self.active}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +257,7 @@ def is_constrained_layer(manifest, layer: int) -> bool:
 def _make_block(manifest, layer: int) -> Block:
     md = manifest.model
     k = manifest.k if is_constrained_layer(manifest, layer) else None
-    return Block(md.d_model, md.n_heads, md.ffn_dim, md.norm_eps, k, layer, pre_norm=md.block_norm == "pre")
+    return Block(md.d_model, md.n_heads, md.ffn_dim, md.norm_eps, k, layer, norm=md.block_norm)
 
 
 def _make_embedding(manifest) -> TokenEmbedding:
@@ -247,6 +273,16 @@ def _init_params(module: nn.Module, manifest, global_name=lambda name: name) -> 
             gen = torch.Generator(device="cpu")
             gen.manual_seed(derive_seed(manifest.run.seed, f"init:{global_name(name)}"))
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def _initial_residual(embed: TokenEmbedding, ids: Tensor, U: Tensor | None, T: Tensor | None,
+                      manifest) -> Tensor:
+    """h0 = the embedding, normalised (weightless RMSNorm) in the post-norm model: every post-norm
+    block then receives a stream of RMS 1, as it outputs one, so a block with zero writers (a
+    just-unlocked one) is the identity up to eps also at the first layer."""
+    h = embed(ids, U, T)
+    md = manifest.model
+    return rmsnorm(h, md.norm_eps) if md.block_norm == "post" else h
 
 
 def _constants(codec) -> tuple[Tensor | None, Tensor | None]:
@@ -279,7 +315,7 @@ class Transformer(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         U, T = _constants(self.codec)
         rope = rope_tables(ids.shape[1], self.head_dim, self.rope_theta, ids.device)
-        h = self.embed(ids, U, T)
+        h = _initial_residual(self.embed, ids, U, T, self.manifest)
         for block in self.layers:
             h = block(h, rope, U)
         return self.lm_head(rmsnorm(h, self.eps))
@@ -339,7 +375,7 @@ class Stage(nn.Module):
         U, T = _constants(self.codec)
         rope = rope_tables(ids.shape[1], self.head_dim, self.rope_theta, ids.device)
         if self.is_head:
-            h = self.embed(ids, U, T)
+            h = _initial_residual(self.embed, ids, U, T, self.manifest)
         else:
             if x is None:
                 raise ValueError(f"stage {self.index} is not the head: it needs the incoming code")

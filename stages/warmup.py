@@ -46,7 +46,7 @@ __all__ = ["ArchWarmup", "default_warmup_schedule", "warmup_blocks"]
 
 
 def default_warmup_schedule(
-    n_layers: int, lr_warmup_steps: int, every: int, n_groups: int = 4
+    n_layers: int, lr_warmup_steps: int, every: int, n_groups: int = 4, keep_every: int = 2
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     """The default schedule (papers §5): half the depth active until the LR warm-up ends, then
     one more group every ``every`` steps.
@@ -56,13 +56,17 @@ def default_warmup_schedule(
     again spread over the depth (``locked[j::n_groups]``); group j unlocks at
     ``lr_warmup_steps + (j + 1)·every``. Returns ``(groups, unlock_steps)`` ready for
     ``manifest.replace(warmup={"enabled": True, "groups": ..., "unlock_steps": ...})``.
+
+    ``keep_every = k`` generalises the start: layers 0, k, 2k, … are active from step 0 and all
+    others locked (k = 2, the default, is the half-depth start above; a larger k starts
+    shallower, e.g. 3 of 24 layers at k = 8).
     """
-    if n_layers < 1 or n_groups < 1 or every < 1 or lr_warmup_steps < 0:
+    if n_layers < 1 or n_groups < 1 or every < 1 or lr_warmup_steps < 0 or keep_every < 1:
         raise ValueError(
-            f"default_warmup_schedule: need n_layers >= 1, n_groups >= 1, every >= 1, lr_warmup_steps >= 0; "
-            f"got {n_layers}, {n_groups}, {every}, {lr_warmup_steps}"
+            f"default_warmup_schedule: need n_layers >= 1, n_groups >= 1, every >= 1, lr_warmup_steps >= 0, "
+            f"keep_every >= 1; got {n_layers}, {n_groups}, {every}, {lr_warmup_steps}, {keep_every}"
         )
-    locked = list(range(1, n_layers, 2))
+    locked = [i for i in range(n_layers) if i % keep_every]
     groups = [tuple(locked[j::n_groups]) for j in range(n_groups)]
     groups = [g for g in groups if g]
     steps = tuple(lr_warmup_steps + (j + 1) * every for j in range(len(groups)))

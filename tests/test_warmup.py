@@ -165,6 +165,16 @@ def test_default_schedule():
     assert m.warmup.groups == ((1,),)
     with pytest.raises(ValueError):
         default_warmup_schedule(0, 1, 1)
+    # a shallower start: layers 0, 8, 16 active, the other 21 locked in 7 groups of 3
+    groups, steps = default_warmup_schedule(24, 0, 20, n_groups=7, keep_every=8)
+    locked = sorted(x for g in groups for x in g)
+    assert locked == [i for i in range(24) if i not in (0, 8, 16)]
+    assert groups[0] == (1, 9, 17) and all(len(g) == 3 for g in groups)
+    assert steps == (20, 40, 60, 80, 100, 120, 140)
+    assert default_warmup_schedule(24, 0, 20, keep_every=2) == default_warmup_schedule(24, 0, 20)
+    assert default_warmup_schedule(4, 0, 5, keep_every=1) == ((), ())  # nothing locked
+    with pytest.raises(ValueError):
+        default_warmup_schedule(8, 0, 5, keep_every=0)
 
 
 def test_ramp_blends_the_unlocked_block_in_linearly():
