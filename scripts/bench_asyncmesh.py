@@ -14,6 +14,9 @@ Pipeline axis (S stages, one replica each, equal tokens and equal optimizer step
   the head has max_inflight microbatches in flight); ``none`` recomputes on a stash of the
   forward's weights, ``lookahead`` forwards and recomputes on Ŵ = W − τ̂·η·m̂.
 - ``lookahead_gap_rel`` = val(async_lookahead)/val(gpipe) − 1 (seed means).
+- ``--deep-stages N`` (off by default) adds a second regime next to the default layout's: the same
+  model cut into N stages, 1F1B delays 2·(N−1−s) (``--deep-max-inflight``), peak lr ``--deep-lr``,
+  reported as ``val_loss_deep``, ``lookahead_beats_none_deep`` and ``deep_settings``.
 
 Utilisation (busy / wall per stage): ``utilisation`` is measured on a real local swarm
 (node.demo.LocalSwarm: bootstrap + one ``swarm-node run`` per stage on loopback) of the
@@ -30,7 +33,11 @@ Data axis (R replicas of the whole model, equal tokens):
 - ``sparse_corrected``: ``avg_correction`` as node/averaging.py does it: first moments averaged
   on the same slice, their delta scaled by β^s (StalenessCorrection);
 - ``sparse_avg_gap_rel`` = val(sparse_corrected)/val(full) − 1; ``avg_bytes_ratio`` = all-reduce
-  payload bytes of full / sparse_corrected. ``--ablation`` adds sparse_moments (λ_m = 1) and
+  payload bytes of full / sparse_corrected. These val losses are per replica (mean over the
+  replicas' own val losses). ``averaging_consensus_*`` / ``sparse_avg_consensus_gap_rel`` are the
+  same figures for the consensus model (element-wise mean of the replicas' parameters at the end,
+  what a swarm would publish); ``--avg-every-extra`` reruns the sparse variants at other H values
+  (``averaging_other_H``, gaps against the same full run). ``--ablation`` adds sparse_moments (λ_m = 1) and
   sparse_lambda (parameters' λ = 1 + s/(P·H)); ``--variants`` runs any set, among them
   ``independent`` (no averaging at all: what the averaging adds is measured against it),
   ``sparse_second`` and ``sparse_outer`` (experiments, docs/ASYNCMESH.md), on ``--avg-seeds`` seeds.
@@ -42,6 +49,7 @@ says so) to fit ~10 minutes on a shared 2-core CPU; ``--quick`` is a smoke run (
 from __future__ import annotations
 
 import argparse
+import copy
 import heapq
 import json
 import math
@@ -108,6 +116,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also report async utilisation with this many microbatches in flight (0: skip)")
     p.add_argument("--runtime-more-inflight", action="store_true",
                    help="measure --more-inflight on the real swarm too (another swarm run), not only simulated")
+    p.add_argument("--deep-stages", type=int, default=0,
+                   help="also run the pipeline modes with the model cut into this many stages (0: skip), "
+                   "reported as val_loss_deep / lookahead_beats_none_deep next to the default layout's")
+    p.add_argument("--deep-max-inflight", type=int, default=0,
+                   help="deep regime: head's microbatches in flight (0: 2·(S−1)+1, 1F1B delays 2·(S−1−s))")
+    p.add_argument("--deep-lr", type=float, default=0.0, help="deep regime: peak lr (0: --lr)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--only", choices=("pipeline", "averaging"), default=None)
     p.add_argument("--ablation", action="store_true",
@@ -120,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="sparse_outer: outer Nesterov momentum")
     p.add_argument("--avg-seeds", type=int, default=1,
                    help="averaging runs per variant (seeds seed, seed+1, ...), averaged")
+    p.add_argument("--avg-every-extra", default="",
+                   help="comma-separated further H values: the sparse variants run again at each (full and "
+                   "independent do not depend on H), reported under averaging_other_H against the same full run")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -167,6 +184,18 @@ def val_loss_chain(stages, batches) -> float:
 
 
 # ------------------------------------------------------------------------------------ pipeline
+
+
+def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
+    """gpipe (delay 0), async_none and async_lookahead (``delays``) on ``args.seeds`` seeds:
+    per mode the list of per-seed run results."""
+    per_seed = {mode: [] for mode in ("gpipe", "async_none", "async_lookahead")}
+    for seed in [args.seed + i for i in range(args.seeds)]:
+        args_s = argparse.Namespace(**{**vars(args), "seed": seed})
+        per_seed["gpipe"].append(run_pipeline(m, "gpipe", [0] * m.n_stages, corpus, val, args_s))
+        per_seed["async_none"].append(run_pipeline(m, "none", delays, corpus, val, args_s))
+        per_seed["async_lookahead"].append(run_pipeline(m, "lookahead", delays, corpus, val, args_s))
+    return per_seed
 
 
 def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
@@ -380,6 +409,23 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5, max
 CORRECTED = "sparse_corrected"  # what asyncmesh.avg_correction = true does in node/averaging.py
 
 
+def averaging_runs(m, variants, corpus, val, args) -> dict:
+    """Every variant on ``args.avg_seeds`` seeds; per variant the seed means and per-seed figures."""
+    avg_runs = {}
+    avg_seeds = [args.seed + i for i in range(max(1, args.avg_seeds))]
+    for v in variants:
+        runs = [run_averaging(m, v, corpus, val, argparse.Namespace(**{**vars(args), "seed": sd}))
+                for sd in avg_seeds]
+        avg_runs[v] = {"val_loss": statistics.fmean(r["val_loss"] for r in runs),
+                       "val_loss_per_seed": [round(r["val_loss"], 4) for r in runs],
+                       "val_loss_per_replica": [r["val_loss_per_replica"] for r in runs],
+                       "consensus_val_loss": statistics.fmean(r["consensus_val_loss"] for r in runs),
+                       "consensus_val_loss_per_seed": [round(r["consensus_val_loss"], 4) for r in runs],
+                       "bytes_per_replica": runs[0]["bytes_per_replica"],
+                       "mean_moment_lambda": runs[0]["mean_moment_lambda"]}
+    return avg_runs
+
+
 def run_averaging(m, variant: str, corpus, val, args) -> dict:
     """R replicas of the whole model; ``variant`` in full | sparse | sparse_corrected | …"""
     R = args.replicas
@@ -470,9 +516,23 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
     return {
         "val_loss": statistics.fmean(losses),
         "val_loss_per_replica": [round(x, 4) for x in losses],
+        "consensus_val_loss": val_loss_chain([_Whole(consensus_model(models))], val),
         "bytes_per_replica": int(bytes_total),
         "mean_moment_lambda": round(statistics.fmean(lams), 4) if lams else None,
     }
+
+
+@torch.no_grad()
+def consensus_model(models: list[torch.nn.Module]) -> torch.nn.Module:
+    """A new model whose floating-point parameters and buffers are the element-wise mean of the
+    replicas' (what a swarm would publish or checkpoint); other entries (integer buffers) are
+    taken from the first replica. The replicas are not modified."""
+    states = [mod.state_dict() for mod in models]
+    mean = {k: torch.stack([st[k] for st in states]).mean(0) if v.is_floating_point() else v.clone()
+            for k, v in states[0].items()}
+    out = copy.deepcopy(models[0])
+    out.load_state_dict(mean)
+    return out
 
 
 def second_moments(optimizer, params) -> list:
@@ -521,13 +581,7 @@ def main(argv=None) -> int:
     delays = [(S - 1 - s) * u for s in range(S)]
     out: dict = {"benchmark": "asyncmesh"}
     if args.only != "averaging":
-        seeds = [args.seed + i for i in range(args.seeds)]
-        per_seed = {mode: [] for mode in ("gpipe", "async_none", "async_lookahead")}
-        for seed in seeds:
-            args_s = argparse.Namespace(**{**vars(args), "seed": seed})
-            per_seed["gpipe"].append(run_pipeline(m, "gpipe", [0] * S, corpus, val, args_s))
-            per_seed["async_none"].append(run_pipeline(m, "none", delays, corpus, val, args_s))
-            per_seed["async_lookahead"].append(run_pipeline(m, "lookahead", delays, corpus, val, args_s))
+        per_seed = pipeline_modes(m, delays, corpus, val, args)
         vl = {k: statistics.fmean(r["val_loss"] for r in v) for k, v in per_seed.items()}
         out["val_loss"] = {k: round(v, 4) for k, v in vl.items()}
         out["val_loss_per_seed"] = {k: [round(r["val_loss"], 4) for r in v] for k, v in per_seed.items()}
@@ -589,22 +643,38 @@ def main(argv=None) -> int:
             }
         else:
             out["utilisation"] = simulated
+        if args.deep_stages:
+            # a second regime next to the default layout's (which stays reported above): the same
+            # model cut into more stages, longer 1F1B delays, optionally another peak lr
+            deep_args = argparse.Namespace(**{**vars(args), "stages": args.deep_stages,
+                                              "lr": args.deep_lr or args.lr})
+            dm = make_manifest(deep_args)
+            dS = dm.n_stages
+            d_inflight = args.deep_max_inflight or 2 * (dS - 1) + 1
+            du = max(1, math.ceil((d_inflight - 1) / max(1, dS - 1)))
+            d_delays = [(dS - 1 - s) * du for s in range(dS)]
+            dps = pipeline_modes(dm, d_delays, corpus, val, deep_args)
+            dvl = {k: statistics.fmean(r["val_loss"] for r in v) for k, v in dps.items()}
+            out["val_loss_deep"] = {k: round(v, 4) for k, v in dvl.items()}
+            out["val_loss_deep_per_seed"] = {k: [round(r["val_loss"], 4) for r in v] for k, v in dps.items()}
+            out["lookahead_gap_rel_deep"] = round(dvl["async_lookahead"] / dvl["gpipe"] - 1, 4)
+            out["none_gap_rel_deep"] = round(dvl["async_none"] / dvl["gpipe"] - 1, 4)
+            out["lookahead_beats_none_deep"] = dvl["async_lookahead"] < dvl["async_none"]
+            out["lookahead_beats_none_deep_seeds"] = sum(
+                a["val_loss"] < b["val_loss"] for a, b in zip(dps["async_lookahead"], dps["async_none"])
+            )
+            out["deep_settings"] = {
+                "stages": dS, "layout": [list(x) for x in dm.stages.layout], "delays_per_stage": d_delays,
+                "max_inflight": d_inflight, "lr": dm.optim.lr, "seeds": list(range(args.seed, args.seed + args.seeds)),
+                "tau_hat": dps["async_lookahead"][0]["tau_hat"],
+            }
     if args.only != "pipeline":
         variants = ["full", "sparse", "sparse_corrected"]
         if args.ablation:
             variants += ["sparse_moments", "sparse_lambda"]
         if args.variants:
             variants = args.variants.split(",")
-        avg_runs = {}
-        avg_seeds = [args.seed + i for i in range(max(1, args.avg_seeds))]
-        for v in variants:
-            runs = [run_averaging(m, v, corpus, val, argparse.Namespace(**{**vars(args), "seed": sd}))
-                    for sd in avg_seeds]
-            avg_runs[v] = {"val_loss": statistics.fmean(r["val_loss"] for r in runs),
-                           "val_loss_per_seed": [round(r["val_loss"], 4) for r in runs],
-                           "val_loss_per_replica": [r["val_loss_per_replica"] for r in runs],
-                           "bytes_per_replica": runs[0]["bytes_per_replica"],
-                           "mean_moment_lambda": runs[0]["mean_moment_lambda"]}
+        avg_runs = averaging_runs(m, variants, corpus, val, args)
         out["averaging_val_loss"] = {
             ("full_every_step" if k == "full" else k): round(v["val_loss"], 4) for k, v in avg_runs.items()
         }
@@ -626,6 +696,55 @@ def main(argv=None) -> int:
                 out["avg_bytes_ratio"] = round(full["bytes_per_replica"] / avg_runs[CORRECTED]["bytes_per_replica"], 2)
             if "sparse" in avg_runs:
                 out["sparse_uncorrected_gap_rel"] = out["averaging_gap_rel"]["sparse"]
+        # the consensus model (element-wise mean of the replicas' parameters at the end), next to
+        # the per-replica figures above, which keep their meaning
+        out["averaging_consensus_val_loss"] = {
+            ("full_every_step" if k == "full" else k): round(v["consensus_val_loss"], 4) for k, v in avg_runs.items()
+        }
+        out["averaging_consensus_val_loss_per_seed"] = {
+            k: v["consensus_val_loss_per_seed"] for k, v in avg_runs.items()
+        }
+        if "full" in avg_runs:
+            fc = avg_runs["full"]["consensus_val_loss"]
+            out["averaging_consensus_gap_rel"] = {
+                k: round(v["consensus_val_loss"] / fc - 1, 4) for k, v in avg_runs.items() if k != "full"
+            }
+            out["averaging_consensus_gap_rel_per_seed"] = {
+                k: [round(a / b - 1, 4) for a, b in
+                    zip(v["consensus_val_loss_per_seed"], avg_runs["full"]["consensus_val_loss_per_seed"])]
+                for k, v in avg_runs.items() if k != "full"
+            }
+            if CORRECTED in avg_runs:
+                out["sparse_avg_consensus_gap_rel"] = out["averaging_consensus_gap_rel"][CORRECTED]
+        extra_h = [int(h) for h in args.avg_every_extra.split(",") if h.strip()]
+        sparse_variants = [v for v in variants if v not in ("full", "independent")]
+        if extra_h and sparse_variants:
+            out["averaging_other_H"] = {}
+            for h in extra_h:
+                runs_h = averaging_runs(m, sparse_variants, corpus, val,
+                                        argparse.Namespace(**{**vars(args), "avg_every": h}))
+                blk = {
+                    "avg_every": h,
+                    "val_loss": {k: round(v["val_loss"], 4) for k, v in runs_h.items()},
+                    "val_loss_per_seed": {k: v["val_loss_per_seed"] for k, v in runs_h.items()},
+                    "consensus_val_loss": {k: round(v["consensus_val_loss"], 4) for k, v in runs_h.items()},
+                    "consensus_val_loss_per_seed": {k: v["consensus_val_loss_per_seed"] for k, v in runs_h.items()},
+                    "bytes_per_replica": {k: v["bytes_per_replica"] for k, v in runs_h.items()},
+                }
+                if "full" in avg_runs:
+                    full = avg_runs["full"]
+                    blk["gap_rel"] = {k: round(v["val_loss"] / full["val_loss"] - 1, 4) for k, v in runs_h.items()}
+                    blk["gap_rel_per_seed"] = {
+                        k: [round(a / b - 1, 4) for a, b in zip(v["val_loss_per_seed"], full["val_loss_per_seed"])]
+                        for k, v in runs_h.items()
+                    }
+                    blk["consensus_gap_rel"] = {
+                        k: round(v["consensus_val_loss"] / full["consensus_val_loss"] - 1, 4) for k, v in runs_h.items()
+                    }
+                    blk["avg_bytes_ratio"] = {
+                        k: round(full["bytes_per_replica"] / v["bytes_per_replica"], 2) for k, v in runs_h.items()
+                    }
+                out["averaging_other_H"][str(h)] = blk
     out["settings"] = {
         "manifest": args.manifest,
         "model": {"d_model": m.model.d_model, "n_layers": m.model.n_layers, "n_heads": m.model.n_heads,

@@ -366,12 +366,55 @@ def test_bench_quick_runs_and_prints_one_json():
     import json
 
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_asyncmesh.py"), "--quick"],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_asyncmesh.py"), "--quick",
+                           "--avg-every-extra", "3"],
                           capture_output=True, text=True, timeout=85, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
-    for key in ("val_loss", "lookahead_gap_rel", "utilisation", "sparse_avg_gap_rel", "avg_bytes_ratio", "settings"):
+    for key in ("val_loss", "lookahead_gap_rel", "utilisation", "sparse_avg_gap_rel", "avg_bytes_ratio",
+                "averaging_consensus_val_loss", "sparse_avg_consensus_gap_rel", "settings"):
         assert key in out
     assert set(out["val_loss"]) == {"gpipe", "async_none", "async_lookahead"}
     assert all(math.isfinite(v) for v in out["val_loss"].values())
+    # identical replicas (full averaging every step): the consensus is each replica
+    assert out["averaging_consensus_val_loss"]["full_every_step"] == out["averaging_val_loss"]["full_every_step"]
+    h3 = out["averaging_other_H"]["3"]
+    assert h3["avg_every"] == 3 and set(h3["consensus_gap_rel"]) == {"sparse", "sparse_corrected"}
+    assert h3["avg_bytes_ratio"]["sparse"] > out["avg_bytes_ratio"]  # sparse_corrected also sends moments
     assert out["settings"]["steps"] > 0 and time.monotonic() - t0 < 85
+
+
+def _load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_asyncmesh", ROOT / "scripts" / "bench_asyncmesh.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_consensus_model_is_the_elementwise_mean_of_the_replicas():
+    bench = _load_bench()
+    torch.manual_seed(0)
+    reps = [nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)) for _ in range(3)]
+    with torch.no_grad():
+        for i, r in enumerate(reps):
+            r[1].num_batches_tracked.fill_(7 + i)  # an integer buffer: not averaged, taken from replica 0
+            for v in r.state_dict().values():  # every float parameter and buffer differs between replicas
+                if v.is_floating_point():
+                    v.add_(torch.randn_like(v))
+    before = [{k: v.clone() for k, v in r.state_dict().items()} for r in reps]
+    c = bench.consensus_model(reps)
+    for k, v in c.state_dict().items():
+        if v.is_floating_point():
+            want = (before[0][k] + before[1][k] + before[2][k]) / 3
+            assert torch.allclose(v, want, atol=1e-7), k
+            assert not torch.equal(v, before[0][k]), k  # really averaged, not a copy of replica 0
+        else:
+            assert torch.equal(v, before[0][k]), k
+    for r, b in zip(reps, before):  # the replicas are left untouched
+        assert all(torch.equal(v, b[k]) for k, v in r.state_dict().items())
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(c.parameters(), reps[0].parameters()))
+    # identical replicas: the consensus is that model, bitwise
+    same = bench.consensus_model([reps[0], reps[0]]).state_dict()
+    assert all(torch.equal(v, same[k]) for k, v in reps[0].state_dict().items())
