@@ -10,8 +10,9 @@ Pipeline axis (S stages, one replica each, equal tokens and equal optimizer step
   (a flush of F microbatches of B/F sequences is one step on B sequences, so gpipe here is
   one step per batch with delay 0);
 - ``async_none`` / ``async_lookahead``: 1F1B without flushes: microbatch j's gradient reaches
-  stage s at tick j + τ_s, τ_s = (S−1−s)·u optimizer steps later (u = ⌈(max_inflight−1)/(S−1)⌉:
-  the head has max_inflight microbatches in flight); ``none`` recomputes on a stash of the
+  stage s at tick j + τ_s, τ_s = (S−1−s)·u optimizer steps later (u = ⌊(max_inflight−1)/(S−1)⌋,
+  at least 1: the head has max_inflight microbatches in flight; the floor matches the delays the
+  real swarm measures, (4.0, 1.9, 0) at max_inflight 6, where the ceiling would say (6, 3, 0)); ``none`` recomputes on a stash of the
   forward's weights, ``lookahead`` forwards and recomputes on Ŵ = W − τ̂·η·m̂.
 - ``lookahead_gap_rel`` = val(async_lookahead)/val(gpipe) − 1 (seed means).
 - ``--deep-stages N`` (off by default) adds a second regime next to the default layout's: the same
@@ -52,7 +53,6 @@ import argparse
 import copy
 import heapq
 import json
-import math
 import statistics
 import sys
 import time
@@ -96,8 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-inflight", type=int, default=0,
                    help="head's microbatches in flight, loss runs and real swarm alike (0: the manifest's "
-                   "train.max_inflight, 5 in runs/default.toml: for S = 3 it keeps the loss runs' delays at "
-                   "(4, 2, 0), as 4 does, and hides the real runtime's per-hop latency better, docs/ASYNCMESH.md)")
+                   "train.max_inflight, 6 in runs/default.toml: for S = 3 the loss runs' delays are (4, 2, 0), "
+                   "what the real swarm measures at 6, whose busy fraction is above 0.9, docs/ASYNCMESH.md)")
     p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
     p.add_argument("--replicas", type=int, default=2, help="replicas R for the averaging runs")
     p.add_argument("--avg-fraction", type=float, default=0.05, help="p")
@@ -577,7 +577,7 @@ def main(argv=None) -> int:
     S = m.n_stages
     inflight = args.max_inflight or m.train.max_inflight
     flush = args.flush_every or m.asyncmesh.gpipe_flush_every
-    u = max(1, math.ceil((inflight - 1) / max(1, S - 1)))
+    u = max(1, (inflight - 1) // max(1, S - 1))
     delays = [(S - 1 - s) * u for s in range(S)]
     out: dict = {"benchmark": "asyncmesh"}
     if args.only != "averaging":
@@ -651,7 +651,7 @@ def main(argv=None) -> int:
             dm = make_manifest(deep_args)
             dS = dm.n_stages
             d_inflight = args.deep_max_inflight or 2 * (dS - 1) + 1
-            du = max(1, math.ceil((d_inflight - 1) / max(1, dS - 1)))
+            du = max(1, (d_inflight - 1) // max(1, dS - 1))
             d_delays = [(dS - 1 - s) * du for s in range(dS)]
             dps = pipeline_modes(dm, d_delays, corpus, val, deep_args)
             dvl = {k: statistics.fmean(r["val_loss"] for r in v) for k, v in dps.items()}
