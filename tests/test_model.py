@@ -58,11 +58,12 @@ def _variants(m):
         "single-stage": m.replace(stages={"layout": [[0, m.model.n_layers]]}),
         "pre-norm": m.replace(model={"block_norm": "pre"}),
         "pre-norm-dense": m.replace(model={"block_norm": "pre"}, subspace={"enabled": False}),
+        "post-norm-dense": m.replace(model={"block_norm": "post"}, subspace={"enabled": False}),
     }
 
 
 @pytest.mark.parametrize("variant", ["subspace", "subspace-constrained-tail", "dense", "single-stage",
-                                     "pre-norm", "pre-norm-dense"])
+                                     "pre-norm", "pre-norm-dense", "post-norm-dense"])
 def test_chained_stages_equal_unsplit_model(test_manifest, variant):
     m = _variants(test_manifest)[variant]
     model = build_model(m)
@@ -110,7 +111,8 @@ def test_stage_roles_and_boundary(test_manifest):
 
 def test_build_stage_equals_split_model(test_manifest, default_manifest):
     for m in (test_manifest, test_manifest.replace(subspace={"enabled": False}), default_manifest,
-              test_manifest.replace(model={"block_norm": "pre"})):
+              test_manifest.replace(model={"block_norm": "pre"}),
+              test_manifest.replace(model={"block_norm": "post"}, subspace={"enabled": False})):
         split = split_model(build_model(m), m)
         for i in range(m.n_stages):
             alone = build_stage(m, i)

@@ -1,6 +1,7 @@
 """Post-norm blocks (``model.block_norm = "post"``, dense runs only): the block's formula, the
 stage split, and the architecture warm-up properties (locked = exact identity with no update,
-unlock preserves the function, also for the first block)."""
+unlock preserves the function, also for the first block). The chained stages equal the unsplit
+model in tests/test_model.py (variant "post-norm-dense")."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 
 from stages.manifest import ManifestError, load_manifest
-from stages.model import build_model, build_stage, lm_loss, rmsnorm, rope_tables, split_model
+from stages.model import build_model, lm_loss, rmsnorm, rope_tables
 from stages.optim import build_optimizer
 from stages.subspace import DenseCodec
 from stages.warmup import ArchWarmup
+from tests.test_warmup import _ids, _step, _trained_then_unlocked
 
 
 def _post(**warmup):
@@ -20,18 +22,6 @@ def _post(**warmup):
     if warmup:
         m = m.replace(warmup=dict(enabled=True, **warmup))
     return m
-
-
-def _ids(seed, b=2, L=16):
-    return torch.randint(0, 256, (b, L), generator=torch.Generator().manual_seed(seed))
-
-
-def _step(model, opt, arch, step):
-    arch.apply(step, opt)
-    ids = _ids(step)
-    opt.zero_grad(set_to_none=True)
-    lm_loss(model(ids), ids).backward()
-    opt.step()
 
 
 def test_manifest_refuses_post_norm_with_the_subspace_codec():
@@ -69,38 +59,6 @@ def test_post_norm_block_formula_and_normalised_embedding():
         assert not torch.allclose(h0, model.embed(ids, None, model.codec.T), atol=1e-2)
 
 
-def test_post_norm_chained_stages_equal_unsplit_model():
-    """Forward and backward stage by stage with detached boundaries (as the swarm does) equal
-    the unsplit model in float32, logits and every parameter's gradient."""
-    m = _post()
-    model = build_model(m)
-    stages = split_model(model, m)
-    ids = _ids(1, L=m.model.seq_len)
-    logits_ref = model(ids)
-    lm_loss(logits_ref, ids).backward()
-    inputs, outputs, x = [], [], None
-    for stage in stages:
-        if x is not None:
-            x = x.detach().requires_grad_(True)
-        inputs.append(x)
-        x = stage(x, ids)
-        outputs.append(x)
-    assert (outputs[-1] - logits_ref).abs().max().item() <= 1e-5
-    lm_loss(outputs[-1], ids).backward()
-    for i in range(len(stages) - 2, -1, -1):
-        outputs[i].backward(inputs[i + 1].grad)
-    ref = dict(model.named_parameters())
-    for stage in stages:
-        for local, p in stage.named_parameters():
-            g = ref[stage.global_name(local)].grad
-            assert g.abs().max() > 0 and (p.grad - g).abs().max().item() <= 1e-5, local
-    # build_stage draws exactly what split_model holds
-    for i, s in enumerate(stages):
-        alone = build_stage(m, i)
-        for (n, a), b in zip(s.state_dict().items(), alone.state_dict().values()):
-            assert torch.equal(a, b), (i, n)
-
-
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 def test_post_norm_locked_block_is_identity_and_never_changes(optim):
     m = _post(groups=[[1], [2]], unlock_steps=[3, 5]).replace(optim={"name": optim})
@@ -131,16 +89,8 @@ def test_post_norm_locked_block_is_identity_and_never_changes(optim):
 def test_post_norm_unlock_preserves_function_then_trains(layer):
     """Unlocking a post-norm block (writers at zero) leaves the function unchanged up to eps at
     any depth: the first block too, because the post-norm model normalises its embedding."""
-    m = _post(groups=[[layer]], unlock_steps=[3])
-    model = build_model(m)
-    arch = ArchWarmup(m, model)
-    opt = build_optimizer(m, model)
-    for step in range(3):
-        _step(model, opt, arch, step)
-    ids = _ids(100)
-    with torch.no_grad():
-        before = model(ids)
-    assert arch.apply(3, opt) == [layer] and not arch.locked
+    model, arch, opt, ids, before, unlocked = _trained_then_unlocked(_post(groups=[[layer]], unlock_steps=[3]))
+    assert unlocked == [layer] and not arch.locked
     block = model.layers[layer]
     assert all(torch.count_nonzero(p.weight) == 0 for p in block.output_projections())
     with torch.no_grad():
