@@ -615,15 +615,18 @@ class StageRuntime:
             if ctx.next_peer == peer and ctx.sent_at and (sent_before is None or ctx.sent_at < sent_before):
                 self._drop(mb, "next-hop-lost", skip=Reason.INTERNAL)
 
-    def _check_restarted(self, peer: str, reply) -> None:
-        """``peer`` answered a health probe. If it started after we sent it a microbatch (killed and
-        restarted with the same identity), that microbatch died with its old process: drop it now
-        rather than at the context TTL, or its in-flight slot stays taken."""
+    def _check_restarted(self, peer: str, reply, asked_at: float) -> None:
+        """``peer`` answered a health probe sent at ``asked_at``. If it started after we sent it a
+        microbatch (killed and restarted with the same identity), that microbatch died with its
+        old process: drop it now rather than at the context TTL, or its in-flight slot stays
+        taken. Its start is placed no later than ``asked_at − uptime`` (its uptime was read after
+        we asked; status rounds it to 0.1 s, hence the margin), so only microbatches surely sent to
+        the old process are dropped."""
         try:
             uptime = float(parse_health(reply)["uptime_s"])
         except (ProtocolError, KeyError, TypeError, ValueError):
             return
-        started = time.monotonic() - uptime
+        started = asked_at - uptime - 0.1
         lost = [ctx for ctx in self.contexts.values() if ctx.next_peer == peer and 0 < ctx.sent_at < started]
         if lost:
             log.info("%s restarted %.1f s ago: %d microbatch(es) sent to it before are lost", peer[-8:], uptime,
@@ -986,8 +989,9 @@ class StageRuntime:
         try:
             for attempt in range(attempts):
                 try:
+                    t0 = time.monotonic()
                     reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
-                    self._check_restarted(peer, reply)
+                    self._check_restarted(peer, reply, t0)
                     return
                 except (PeerBusy, PeerRejected):
                     return
@@ -1013,8 +1017,9 @@ class StageRuntime:
                 continue
             try:
                 await connect(maddr, timeout=3.0)
+                t0 = time.monotonic()
                 reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
-                self._check_restarted(peer, reply)
+                self._check_restarted(peer, reply, t0)
                 return True
             except (PeerBusy, PeerRejected):
                 return True
