@@ -95,11 +95,15 @@ def test_kill_a_middle_replica_then_a_new_one_joins(tmp_path):
         assert sw.value(m3, "swarm_node_served_total", protocol="fwd", result="ack") >= 5
 
         # ---- no leaked contexts: when the head leaves (drained), every stage is empty
+        # (a microbatch still on its way back when the head left is dropped by the failed bwd to
+        # it, within seconds; a leaked context would stay until the 120 s TTL)
         assert sw.stop(head, timeout=30) == 0
-        time.sleep(1.0)
         for n in (m2, m3, tail):
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and sw.metrics(n)["swarm_node_inflight_microbatches"] > 0:
+                time.sleep(0.25)
             mt = sw.metrics(n)
-            assert mt["swarm_node_inflight_microbatches"] == 0, n.name
+            assert mt["swarm_node_inflight_microbatches"] == 0, (n.name, n.logs()[-3000:])
             assert metric_sum(mt, "swarm_node_queue_depth") == 0, n.name
     finally:
         codes = sw.close()
