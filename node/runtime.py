@@ -608,30 +608,31 @@ class StageRuntime:
         log.warning("%s to %s failed (%s); banned for %.0f s", protocol, peer[-8:], type(err).__name__, seconds)
         self._lost_next_hop(peer)
 
-    def _lost_next_hop(self, peer: str, sent_before: float | None = None) -> None:
+    def _lost_next_hop(self, peer: str, sent_before: float | None = None) -> int:
         """Drop every microbatch sent to ``peer`` (before ``sent_before``, monotonic time, if given)
-        whose gradient can no longer come back."""
-        for mb, ctx in list(self.contexts.items()):
-            if ctx.next_peer == peer and ctx.sent_at and (sent_before is None or ctx.sent_at < sent_before):
-                self._drop(mb, "next-hop-lost", skip=Reason.INTERNAL)
+        whose gradient can no longer come back; returns how many."""
+        lost = [mb for mb, ctx in self.contexts.items()
+                if ctx.next_peer == peer and ctx.sent_at and (sent_before is None or ctx.sent_at < sent_before)]
+        for mb in lost:
+            self._drop(mb, "next-hop-lost", skip=Reason.INTERNAL)
+        return len(lost)
 
-    def _check_restarted(self, peer: str, reply, asked_at: float) -> None:
-        """``peer`` answered a health probe sent at ``asked_at``. If it started after we sent it a
-        microbatch (killed and restarted with the same identity), that microbatch died with its
+    async def _health(self, peer: str) -> None:
+        """Health-probe ``peer`` (raises what the transport raises). If it started after we sent it
+        a microbatch (killed and restarted with the same identity), that microbatch died with its
         old process: drop it now rather than at the context TTL, or its in-flight slot stays
-        taken. Its start is placed no later than ``asked_at − uptime`` (its uptime was read after
-        we asked; status rounds it to 0.1 s, hence the margin), so only microbatches surely sent to
+        taken. Its start is placed no later than ``asked − uptime`` (its uptime was read after we
+        asked; status rounds it to 0.1 s, hence the margin), so only microbatches surely sent to
         the old process are dropped."""
+        asked = time.monotonic()
+        reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
         try:
             uptime = float(parse_health(reply)["uptime_s"])
         except (ProtocolError, KeyError, TypeError, ValueError):
             return
-        started = asked_at - uptime - 0.1
-        lost = [ctx for ctx in self.contexts.values() if ctx.next_peer == peer and 0 < ctx.sent_at < started]
+        lost = self._lost_next_hop(peer, sent_before=asked - uptime - 0.1)
         if lost:
-            log.info("%s restarted %.1f s ago: %d microbatch(es) sent to it before are lost", peer[-8:], uptime,
-                     len(lost))
-            self._lost_next_hop(peer, sent_before=started)
+            log.info("%s restarted %.1f s ago: %d microbatch(es) sent to it before are lost", peer[-8:], uptime, lost)
 
     # ------------------------------------------------------------------ inbound bwd
 
@@ -989,9 +990,7 @@ class StageRuntime:
         try:
             for attempt in range(attempts):
                 try:
-                    t0 = time.monotonic()
-                    reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
-                    self._check_restarted(peer, reply, t0)
+                    await self._health(peer)
                     return
                 except (PeerBusy, PeerRejected):
                     return
@@ -1017,9 +1016,7 @@ class StageRuntime:
                 continue
             try:
                 await connect(maddr, timeout=3.0)
-                t0 = time.monotonic()
-                reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
-                self._check_restarted(peer, reply, t0)
+                await self._health(peer)
                 return True
             except (PeerBusy, PeerRejected):
                 return True
