@@ -198,6 +198,31 @@ def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
     return per_seed
 
 
+def one_f_one_b_delays(S: int, inflight: int) -> list[int]:
+    """τ_s = (S−1−s)·⌊(inflight−1)/(S−1)⌋ (at least one step per hop): the module docstring."""
+    u = max(1, (inflight - 1) // max(1, S - 1))
+    return [(S - 1 - s) * u for s in range(S)]
+
+
+def pipeline_summary(per_seed: dict, tag: str = "") -> dict:
+    """Seed means and look-ahead / plain-async comparisons of ``pipeline_modes``' runs, keys
+    ``val_loss{tag}``, ``lookahead_gap_rel{tag}``, …"""
+    vl = {k: statistics.fmean(r["val_loss"] for r in v) for k, v in per_seed.items()}
+    return {
+        f"val_loss{tag}": {k: round(v, 4) for k, v in vl.items()},
+        f"val_loss{tag}_per_seed": {k: [round(r["val_loss"], 4) for r in v] for k, v in per_seed.items()},
+        f"lookahead_gap_rel{tag}": rel_gap(vl["async_lookahead"], vl["gpipe"]),
+        f"none_gap_rel{tag}": rel_gap(vl["async_none"], vl["gpipe"]),
+        f"lookahead_beats_none{tag}": vl["async_lookahead"] < vl["async_none"],
+        f"lookahead_beats_none{tag}_seeds": sum(
+            a["val_loss"] < b["val_loss"] for a, b in zip(per_seed["async_lookahead"], per_seed["async_none"])),
+    }
+
+
+def rel_gap(a: float, b: float) -> float:
+    return round(a / b - 1, 4)
+
+
 def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
     """Train S stages for ``args.steps`` microbatches with per-stage gradient delays ``delays``."""
     S = m.n_stages
@@ -426,6 +451,14 @@ def averaging_runs(m, variants, corpus, val, args) -> dict:
     return avg_runs
 
 
+def averaging_gaps(runs: dict, full: dict, key: str = "val_loss") -> tuple[dict, dict]:
+    """(seed-mean gap, per-seed gaps) of every run but ``full`` against ``full`` on ``key``."""
+    others = {k: v for k, v in runs.items() if k != "full"}
+    return ({k: rel_gap(v[key], full[key]) for k, v in others.items()},
+            {k: [rel_gap(a, b) for a, b in zip(v[f"{key}_per_seed"], full[f"{key}_per_seed"])]
+             for k, v in others.items()})
+
+
 def run_averaging(m, variant: str, corpus, val, args) -> dict:
     """R replicas of the whole model; ``variant`` in full | sparse | sparse_corrected | …"""
     R = args.replicas
@@ -577,23 +610,14 @@ def main(argv=None) -> int:
     S = m.n_stages
     inflight = args.max_inflight or m.train.max_inflight
     flush = args.flush_every or m.asyncmesh.gpipe_flush_every
-    u = max(1, (inflight - 1) // max(1, S - 1))
-    delays = [(S - 1 - s) * u for s in range(S)]
+    delays = one_f_one_b_delays(S, inflight)
     out: dict = {"benchmark": "asyncmesh"}
     if args.only != "averaging":
         per_seed = pipeline_modes(m, delays, corpus, val, args)
-        vl = {k: statistics.fmean(r["val_loss"] for r in v) for k, v in per_seed.items()}
-        out["val_loss"] = {k: round(v, 4) for k, v in vl.items()}
-        out["val_loss_per_seed"] = {k: [round(r["val_loss"], 4) for r in v] for k, v in per_seed.items()}
+        out.update(pipeline_summary(per_seed))
         out["train_loss_last20"] = {
             k: round(statistics.fmean(r["train_loss_last20"] for r in v), 4) for k, v in per_seed.items()
         }
-        out["lookahead_gap_rel"] = round(vl["async_lookahead"] / vl["gpipe"] - 1, 4)
-        out["none_gap_rel"] = round(vl["async_none"] / vl["gpipe"] - 1, 4)
-        out["lookahead_beats_none"] = vl["async_lookahead"] < vl["async_none"]
-        out["lookahead_beats_none_seeds"] = sum(
-            a["val_loss"] < b["val_loss"] for a, b in zip(per_seed["async_lookahead"], per_seed["async_none"])
-        )
         out["tau_hat"] = per_seed["async_lookahead"][0]["tau_hat"]
         timed = per_seed["async_none"] + per_seed["async_lookahead"]
         fwd = [statistics.median(r["fwd_s"][s] for r in timed) for s in range(S)]
@@ -651,18 +675,9 @@ def main(argv=None) -> int:
             dm = make_manifest(deep_args)
             dS = dm.n_stages
             d_inflight = args.deep_max_inflight or 2 * (dS - 1) + 1
-            du = max(1, (d_inflight - 1) // max(1, dS - 1))
-            d_delays = [(dS - 1 - s) * du for s in range(dS)]
+            d_delays = one_f_one_b_delays(dS, d_inflight)
             dps = pipeline_modes(dm, d_delays, corpus, val, deep_args)
-            dvl = {k: statistics.fmean(r["val_loss"] for r in v) for k, v in dps.items()}
-            out["val_loss_deep"] = {k: round(v, 4) for k, v in dvl.items()}
-            out["val_loss_deep_per_seed"] = {k: [round(r["val_loss"], 4) for r in v] for k, v in dps.items()}
-            out["lookahead_gap_rel_deep"] = round(dvl["async_lookahead"] / dvl["gpipe"] - 1, 4)
-            out["none_gap_rel_deep"] = round(dvl["async_none"] / dvl["gpipe"] - 1, 4)
-            out["lookahead_beats_none_deep"] = dvl["async_lookahead"] < dvl["async_none"]
-            out["lookahead_beats_none_deep_seeds"] = sum(
-                a["val_loss"] < b["val_loss"] for a, b in zip(dps["async_lookahead"], dps["async_none"])
-            )
+            out.update(pipeline_summary(dps, "_deep"))
             out["deep_settings"] = {
                 "stages": dS, "layout": [list(x) for x in dm.stages.layout], "delays_per_stage": d_delays,
                 "max_inflight": d_inflight, "lr": dm.optim.lr, "seeds": list(range(args.seed, args.seed + args.seeds)),
@@ -684,13 +699,7 @@ def main(argv=None) -> int:
         out["mean_moment_lambda"] = {k: v["mean_moment_lambda"] for k, v in avg_runs.items() if k != "full"}
         if "full" in avg_runs:
             full = avg_runs["full"]
-            out["averaging_gap_rel"] = {
-                k: round(v["val_loss"] / full["val_loss"] - 1, 4) for k, v in avg_runs.items() if k != "full"
-            }
-            out["averaging_gap_rel_per_seed"] = {
-                k: [round(a / b - 1, 4) for a, b in zip(v["val_loss_per_seed"], full["val_loss_per_seed"])]
-                for k, v in avg_runs.items() if k != "full"
-            }
+            out["averaging_gap_rel"], out["averaging_gap_rel_per_seed"] = averaging_gaps(avg_runs, full)
             if CORRECTED in avg_runs:
                 out["sparse_avg_gap_rel"] = out["averaging_gap_rel"][CORRECTED]
                 out["avg_bytes_ratio"] = round(full["bytes_per_replica"] / avg_runs[CORRECTED]["bytes_per_replica"], 2)
@@ -705,15 +714,8 @@ def main(argv=None) -> int:
             k: v["consensus_val_loss_per_seed"] for k, v in avg_runs.items()
         }
         if "full" in avg_runs:
-            fc = avg_runs["full"]["consensus_val_loss"]
-            out["averaging_consensus_gap_rel"] = {
-                k: round(v["consensus_val_loss"] / fc - 1, 4) for k, v in avg_runs.items() if k != "full"
-            }
-            out["averaging_consensus_gap_rel_per_seed"] = {
-                k: [round(a / b - 1, 4) for a, b in
-                    zip(v["consensus_val_loss_per_seed"], avg_runs["full"]["consensus_val_loss_per_seed"])]
-                for k, v in avg_runs.items() if k != "full"
-            }
+            out["averaging_consensus_gap_rel"], out["averaging_consensus_gap_rel_per_seed"] = averaging_gaps(
+                avg_runs, avg_runs["full"], "consensus_val_loss")
             if CORRECTED in avg_runs:
                 out["sparse_avg_consensus_gap_rel"] = out["averaging_consensus_gap_rel"][CORRECTED]
         extra_h = [int(h) for h in args.avg_every_extra.split(",") if h.strip()]
@@ -733,14 +735,8 @@ def main(argv=None) -> int:
                 }
                 if "full" in avg_runs:
                     full = avg_runs["full"]
-                    blk["gap_rel"] = {k: round(v["val_loss"] / full["val_loss"] - 1, 4) for k, v in runs_h.items()}
-                    blk["gap_rel_per_seed"] = {
-                        k: [round(a / b - 1, 4) for a, b in zip(v["val_loss_per_seed"], full["val_loss_per_seed"])]
-                        for k, v in runs_h.items()
-                    }
-                    blk["consensus_gap_rel"] = {
-                        k: round(v["consensus_val_loss"] / full["consensus_val_loss"] - 1, 4) for k, v in runs_h.items()
-                    }
+                    blk["gap_rel"], blk["gap_rel_per_seed"] = averaging_gaps(runs_h, full)
+                    blk["consensus_gap_rel"] = averaging_gaps(runs_h, full, "consensus_val_loss")[0]
                     blk["avg_bytes_ratio"] = {
                         k: round(full["bytes_per_replica"] / v["bytes_per_replica"], 2) for k, v in runs_h.items()
                     }
