@@ -319,7 +319,7 @@ def warmup_experiment(args, corpus) -> dict:
             "steps": steps,
             "batch": args.batch,
             "tokens_per_run": steps * args.batch * args.seq_len,
-            "active_from_start": [i for i in range(layers) if i % args.warmup_keep_every == 0],
+            "active_from_start": sorted(set(range(layers)) - {i for g in groups for i in g}),
             "groups": [list(g) for g in groups],
             "unlock_steps": list(unlock),
             "unlocked_at": warm_runs[seeds[0]]["unlocked"],

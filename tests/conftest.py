@@ -19,6 +19,16 @@ def pytest_asyncio_loop_factories(config, item):
     return {"uvloop": uvloop.new_event_loop}
 
 
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` (the scripts are not a package) and return the module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def test_manifest():
     from stages.manifest import load_manifest

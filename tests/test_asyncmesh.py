@@ -384,17 +384,10 @@ def test_bench_quick_runs_and_prints_one_json():
     assert out["settings"]["steps"] > 0 and time.monotonic() - t0 < 85
 
 
-def _load_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_asyncmesh", ROOT / "scripts" / "bench_asyncmesh.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_bench_consensus_model_is_the_elementwise_mean_of_the_replicas():
-    bench = _load_bench()
+    from tests.conftest import load_script
+
+    bench = load_script("bench_asyncmesh")
     torch.manual_seed(0)
     reps = [nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)) for _ in range(3)]
     with torch.no_grad():

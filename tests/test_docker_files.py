@@ -81,11 +81,9 @@ def test_grafana_provisioning_points_at_the_dashboard():
 
 
 def test_dashboard_is_generated_from_the_script():
-    import importlib.util
+    from tests.conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("make_dashboard", ROOT / "scripts/make_dashboard.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("make_dashboard")
     assert json.loads((DOCKER / "grafana/swarm-node.json").read_text()) == mod.build()
 
 

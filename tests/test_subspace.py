@@ -157,14 +157,11 @@ def test_wire_bytes():
 @pytest.mark.timeout(120)
 def test_bench_subspace_quick_runs(capsys):
     """The benchmark's --quick smoke run prints one JSON object with every promised field."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_subspace.py"
-    spec = importlib.util.spec_from_file_location("bench_subspace", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.conftest import load_script
+
+    bench = load_script("bench_subspace")
     assert bench.main(["--quick", "--steps", "3", "--val-batches", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("bytes_per_token", "compression_ratio", "codec_max_rel_error", "val_loss_dense",
