@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stages.manifest import KNOWN_BLOCK_NORMS
 from stages.subspace import SubspaceCodec, derive_seed, make_codec
 
 __all__ = [
@@ -202,11 +203,9 @@ class Block(nn.Module):
     """
 
     def __init__(self, d: int, n_heads: int, ffn_dim: int, eps: float, k: int | None, layer: int,
-                 pre_norm: bool = False, norm: str | None = None):
+                 norm: str = "peri"):
         super().__init__()
-        if norm is None:
-            norm = "pre" if pre_norm else "peri"
-        if norm not in ("peri", "pre", "post"):
+        if norm not in KNOWN_BLOCK_NORMS:
             raise ValueError(f"Block: unknown norm placement {norm!r}")
         self.layer = layer  # global layer index
         self.eps = eps
@@ -215,10 +214,6 @@ class Block(nn.Module):
         self.active: bool = True
         self.attn = Attention(d, n_heads, k)
         self.mlp = SwiGLU(d, ffn_dim, k)
-
-    @property
-    def pre_norm(self) -> bool:
-        return self.norm == "pre"
 
     def output_projections(self) -> list[WriterLinear]:
         """The residual writers ``[attn.out_proj, mlp.down_proj]`` (each has one param, ``weight``)."""

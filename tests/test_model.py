@@ -283,7 +283,7 @@ def test_block_norm_placement(test_manifest):
     assert m.model.block_norm == "peri"
     pre_m = m.replace(model={"block_norm": "pre"})
     peri, pre = build_model(m), build_model(pre_m)
-    assert not peri.layers[0].pre_norm and all(b.pre_norm for b in pre.layers)
+    assert peri.layers[0].norm == "peri" and all(b.norm == "pre" for b in pre.layers)
     for (n, p), q in zip(peri.named_parameters(), pre.parameters()):
         assert torch.equal(p, q), n
     L, eps = m.model.seq_len, m.model.norm_eps
