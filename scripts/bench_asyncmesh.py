@@ -12,7 +12,8 @@ Pipeline axis (S stages, one replica each, equal tokens and equal optimizer step
 - ``async_none`` / ``async_lookahead``: 1F1B without flushes: microbatch j's gradient reaches
   stage s at tick j + τ_s, τ_s = (S−1−s)·u optimizer steps later (u = ⌊(max_inflight−1)/(S−1)⌋,
   at least 1: the head has max_inflight microbatches in flight; the floor matches the delays the
-  real swarm measures, (4.0, 1.9, 0) at max_inflight 6, where the ceiling would say (6, 3, 0)); ``none`` recomputes on a stash of the
+  real swarm measures, (3.2–4.1, 1.8–2.0, 0) at max_inflight 6 in three runs, where the
+  ceiling would say (6, 3, 0)); ``none`` recomputes on a stash of the
   forward's weights, ``lookahead`` forwards and recomputes on Ŵ = W − τ̂·η·m̂.
 - ``lookahead_gap_rel`` = val(async_lookahead)/val(gpipe) − 1 (seed means).
 - ``--deep-stages N`` (off by default) adds a second regime next to the default layout's: the same
