@@ -238,7 +238,8 @@ class StageRuntime:
         # own optimizer steps (the schedule's clock, as for the learning rate)
         self.arch = ArchWarmup(manifest, stage) if manifest.warmup.enabled and manifest.warmup.groups else None
         self.la = LookaheadForward(stage, optimizer, mode=manifest.asyncmesh.mode,
-                                   delay_ema=manifest.asyncmesh.delay_ema)
+                                   delay_ema=manifest.asyncmesh.delay_ema,
+                                   target=manifest.asyncmesh.lookahead_target)
         self.policy = StepPolicy(manifest.asyncmesh.mode, manifest.asyncmesh.gpipe_flush_every,
                                  max_inflight, manifest.train.grad_accum)
         self.checkpoint_every = self.opt.checkpoint_every or manifest.train.checkpoint_every

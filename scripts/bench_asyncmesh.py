@@ -99,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="head's microbatches in flight, loss runs and real swarm alike (0: the manifest's "
                    "train.max_inflight, 6 in runs/default.toml: for S = 3 the loss runs' delays are (4, 2, 0), "
                    "what the real swarm measures at 6, whose busy fraction is above 0.9, docs/ASYNCMESH.md)")
+    p.add_argument("--lookahead-target", choices=("momentum", "update"), default=None,
+                   help="what look-ahead extrapolates (default: the manifest's asyncmesh.lookahead_target)")
+    p.add_argument("--other-targets", default="",
+                   help="comma list of further look-ahead targets run side by side as async_lookahead_<target>")
     p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
     p.add_argument("--replicas", type=int, default=2, help="replicas R for the averaging runs")
     p.add_argument("--avg-fraction", type=float, default=0.05, help="p")
@@ -170,6 +174,7 @@ def make_manifest(args):
         optim={"name": args.optim, "lr": args.lr, "betas": [args.beta1, args.beta2]},
         schedule={"total_steps": args.steps, "warmup_steps": max(1, args.steps // 20)},
         data={"batch_size": args.batch_size},
+        **({"asyncmesh": {"lookahead_target": args.lookahead_target}} if args.lookahead_target else {}),
     )
 
 
@@ -190,12 +195,17 @@ def val_loss_chain(stages, batches) -> float:
 def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
     """gpipe (delay 0), async_none and async_lookahead (``delays``) on ``args.seeds`` seeds:
     per mode the list of per-seed run results."""
-    per_seed = {mode: [] for mode in ("gpipe", "async_none", "async_lookahead")}
+    other = [t for t in args.other_targets.split(",") if t and t != m.asyncmesh.lookahead_target]
+    per_seed = {mode: [] for mode in ("gpipe", "async_none", "async_lookahead",
+                                      *(f"async_lookahead_{t}" for t in other))}
     for seed in [args.seed + i for i in range(args.seeds)]:
         args_s = argparse.Namespace(**{**vars(args), "seed": seed})
         per_seed["gpipe"].append(run_pipeline(m, "gpipe", [0] * m.n_stages, corpus, val, args_s))
         per_seed["async_none"].append(run_pipeline(m, "none", delays, corpus, val, args_s))
         per_seed["async_lookahead"].append(run_pipeline(m, "lookahead", delays, corpus, val, args_s))
+        for t in other:
+            mt = m.replace(asyncmesh={"lookahead_target": t})
+            per_seed[f"async_lookahead_{t}"].append(run_pipeline(mt, "lookahead", delays, corpus, val, args_s))
     return per_seed
 
 
@@ -230,13 +240,21 @@ def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
     torch.manual_seed(args.seed)
     stages = [build_stage(m, s) for s in range(S)]
     opts = [build_optimizer(m, st) for st in stages]
-    las = [LookaheadForward(st, o, mode=mode, delay_ema=m.asyncmesh.delay_ema) for st, o in zip(stages, opts)]
+    las = [LookaheadForward(st, o, mode=mode, delay_ema=m.asyncmesh.delay_ema, target=m.asyncmesh.lookahead_target)
+           for st, o in zip(stages, opts)]
     batches = Batches(corpus.train, args.batch_size, m.model.seq_len, args.seed)
     ctx = [dict() for _ in range(S)]  # microbatch -> (weights, x, ids)
     grads = [dict() for _ in range(S)]  # gradient w.r.t. stage s's output, per microbatch
     fwd_t = [[] for _ in range(S)]
     bwd_t = [[] for _ in range(S)]
     train_losses = []
+    # look-ahead's prediction: |Ŵ_j − W_apply| against plain async's |W_j − W_apply| (the weights
+    # when microbatch j's gradient is applied), summed per stage
+    live_at = [dict() for _ in range(S)]  # version -> W (flat), lookahead mode only
+    pred_err = [[0.0, 0.0] for _ in range(S)]
+
+    def flat(tensors):
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
 
     def step(s):
         torch.nn.utils.clip_grad_norm_(stages[s].parameters(), m.optim.grad_clip)
@@ -255,6 +273,8 @@ def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
             for s in range(S):
                 w = las[s].weights()
                 ctx[s][t] = (w, x, ids)
+                if mode == "lookahead" and delays[s] and w.version not in live_at[s]:
+                    live_at[s][w.version] = flat(stages[s].parameters())
                 if s < S - 1:
                     t0 = time.perf_counter()
                     x = las[s].forward(w, x, ids)
@@ -264,6 +284,14 @@ def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
             if j not in ctx[s]:
                 continue
             w, x, ids = ctx[s].pop(j)
+            if w.version in live_at[s] and las[s].version > w.version:
+                now = flat(stages[s].parameters())
+                hat = flat(w.tensors[n] for n, _ in stages[s].named_parameters())
+                pred_err[s][0] += float((hat - now).norm())
+                pred_err[s][1] += float((live_at[s][w.version] - now).norm())
+                oldest = min((c[0].version for c in ctx[s].values()), default=las[s].version)
+                for v in [v for v in live_at[s] if v < oldest]:
+                    del live_at[s][v]
             t0 = time.perf_counter()
             if s == S - 1:
                 out = las[s].backward(w, (x, ids), loss_fn=lambda logits, ids=ids: lm_loss(logits, ids))
@@ -281,6 +309,7 @@ def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
         "val_loss": val_loss_chain(stages, val),
         "train_loss_last20": statistics.fmean(train_losses[-20:]),
         "tau_hat": [round(la.delays.tau_hat, 3) for la in las],
+        "prediction_error_rel": [round(a / b, 4) if b else None for a, b in pred_err],
         "fwd_s": [statistics.median(x) if x else 0.0 for x in fwd_t],
         "bwd_s": [statistics.median(x) for x in bwd_t],
     }
@@ -620,6 +649,11 @@ def main(argv=None) -> int:
             k: round(statistics.fmean(r["train_loss_last20"] for r in v), 4) for k, v in per_seed.items()
         }
         out["tau_hat"] = per_seed["async_lookahead"][0]["tau_hat"]
+        out["lookahead_prediction_error_rel"] = {
+            k: [round(statistics.fmean(r["prediction_error_rel"][s] for r in v), 4)
+                if v[0]["prediction_error_rel"][s] is not None else None for s in range(S)]
+            for k, v in per_seed.items() if k.startswith("async_lookahead")
+        }
         timed = per_seed["async_none"] + per_seed["async_lookahead"]
         fwd = [statistics.median(r["fwd_s"][s] for r in timed) for s in range(S)]
         bwd = [statistics.median(r["bwd_s"][s] for r in timed) for s in range(S)]
@@ -755,6 +789,7 @@ def main(argv=None) -> int:
                            "weight_decay": m.optim.weight_decay, "grad_clip": m.optim.grad_clip,
                            "schedule": m.schedule.kind, "warmup_steps": m.schedule.warmup_steps},
         "delays_per_stage": delays, "max_inflight": inflight, "gpipe_flush_every": flush,
+        "lookahead_target": m.asyncmesh.lookahead_target,
         "gpipe_loss_runs": "delay 0 (synchronous), same batch per step as async",
         "replicas": args.replicas, "avg_fraction": args.avg_fraction, "avg_every": args.avg_every,
         "avg_latency_steps": args.avg_latency, "avg_optim": args.avg_optim,

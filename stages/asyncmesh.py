@@ -119,6 +119,84 @@ def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> t
 
 _KNOWN = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.SGD)
 
+LOOKAHEAD_TARGETS = ("momentum", "update")
+
+
+def _horizon_weights(tau_hat: float) -> list[tuple[int, float]]:
+    """(k, weight) for the future steps k = 1 … ⌈τ̂⌉; the last one weighted by τ̂'s fraction."""
+    n = math.ceil(tau_hat)
+    return [(k, min(1.0, tau_hat - (k - 1))) for k in range(1, n + 1)]
+
+
+def momentum_carry(optimizer: torch.optim.Optimizer, param: torch.Tensor, tau_hat: float) -> torch.Tensor | None:
+    """The part of the next τ̂ steps' movement of ``param`` that the optimizer state already
+    fixes, per unit lr (so ``W − η·carry`` is where W will be if the future gradients average to
+    zero): the current first moment m decays as β1^k into each later step's update, and
+    decoupled weight decay is deterministic. None when the optimizer has no such state yet, and
+    for optimizers with their own ``update_direction`` (Muon / NuMuon: the orthogonalisation of
+    a future momentum is not linear in m), which the caller then extrapolates with ``τ̂ ·
+    update_direction``.
+
+    - Adam / AdamW: step t+k moves by ``m_{t+k}/(1−β1^{t+k})/(√v̂+eps)`` with
+      ``m_{t+k} = β1^k m_t + (new gradients)``, so ``carry = Σ_k β1^k/(1−β1^{t+k}) · m_t/(√v̂+eps)``.
+    - NAdam (torch's, with its momentum-decay schedule μ_s): step s moves by
+      ``[(1−μ_s)/(1−Π_s)·g_s + μ_{s+1}/(1−Π_s·μ_{s+1})·m_s]/(√v̂+eps)``; only the m_s term carries,
+      ``carry = Σ_k μ_{t+k+1} β1^k/(1−Π_{t+k+1}) · m_t/(√v̂+eps)``.
+    - SGD with momentum β (dampening d): ``b_{t+k} = β^k b_t + …``; plain steps move by b, Nesterov
+      steps by ``g + β·b``, so ``carry = Σ_k β^k b_t`` (plain) or ``Σ_k β^{k+1} b_t`` (Nesterov).
+
+    The current v̂ stands in for the future ones (v moves slowly: β2 ≥ 0.95). Why not ``τ̂ ·
+    update_direction``: with small batches most of a step is the fresh gradient's noise, which
+    no state predicts; extrapolating the whole bias-corrected direction overshoots (measured on
+    the bench model: the loss-optimal multiple of that shift was 0.2–0.4 of it, matching the
+    carried share; docs/ASYNCMESH.md).
+    """
+    if callable(getattr(optimizer, "update_direction", None)):
+        return None
+    if not isinstance(optimizer, _KNOWN):
+        raise NotImplementedError(
+            f"look-ahead does not know the momentum of {type(optimizer).__name__}; run with "
+            "asyncmesh.mode = 'none'"
+        )
+    state = optimizer.state.get(param)
+    if not state:
+        return None
+    group = _group_of(optimizer, param)
+    horizon = _horizon_weights(tau_hat)
+    if isinstance(optimizer, torch.optim.SGD):
+        buf = state.get("momentum_buffer")
+        beta = group.get("momentum", 0.0)
+        if buf is None or not beta:
+            return None
+        shift = 1 if group.get("nesterov") else 0
+        return sum(w * beta ** (k + shift) for k, w in horizon) * buf
+    if "exp_avg" not in state:
+        return None
+    t = int(float(state["step"]))
+    if t <= 0:
+        return None
+    beta1, beta2 = group["betas"]
+    v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state["exp_avg_sq"]
+    denom = (v / (1 - beta2**t)).sqrt() + group["eps"]
+    if isinstance(optimizer, torch.optim.NAdam):
+        psi = group["momentum_decay"]
+        prod = float(state["mu_product"])
+
+        def mu(s: int) -> float:
+            return beta1 * (1.0 - 0.5 * 0.96 ** (s * psi))
+
+        coef = 0.0
+        for k, w in horizon:
+            prod *= mu(t + k)  # Π up to step t+k
+            coef += w * mu(t + k + 1) * beta1**k / (1.0 - prod * mu(t + k + 1))
+    else:
+        coef = sum(w * beta1**k / (1.0 - beta1 ** (t + k)) for k, w in horizon)
+    carry = coef * state["exp_avg"] / denom
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+    if decoupled and group.get("weight_decay", 0.0):
+        carry = carry + (tau_hat * group["weight_decay"]) * param.detach()
+    return carry
+
 
 def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
     for g in optimizer.param_groups:
@@ -133,23 +211,34 @@ def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
 
 @torch.no_grad()
 def lookahead_params(
-    module: nn.Module, optimizer: torch.optim.Optimizer, tau_hat: float, lr: float | None = None
+    module: nn.Module, optimizer: torch.optim.Optimizer, tau_hat: float, lr: float | None = None,
+    target: str = "update",
 ) -> dict[str, torch.Tensor]:
     """Ŵ = W − τ̂·η·m̂ for every trainable parameter, as fresh tensors (a stable snapshot).
 
+    ``target`` says what m̂ is: ``"update"``, the optimizer's current update direction
+    (``update_direction``: Ŵ = W − τ̂·η·update_direction); ``"momentum"``, the share of the next
+    τ̂ steps the optimizer state already fixes (``momentum_carry``: Ŵ = W − η·carry, i.e. m̂ =
+    carry/τ̂), falling back to ``"update"`` for optimizers with their own update direction.
     ``lr`` None takes each parameter's group lr (so per-group lr scales are respected). A
     parameter without optimizer state yet, or τ̂ = 0, gets Ŵ = W (copied).
     """
     if tau_hat < 0:
         raise ValueError(f"tau_hat must be >= 0, got {tau_hat}")
+    if target not in LOOKAHEAD_TARGETS:
+        raise ValueError(f"look-ahead target must be one of {LOOKAHEAD_TARGETS}, got {target!r}")
     out = {}
     for name, p in _trainable(module).items():
-        d = update_direction(optimizer, p) if tau_hat > 0 else None
+        d, steps = None, tau_hat  # Ŵ = W − (steps·η)·d
+        if tau_hat > 0 and target == "momentum":
+            d, steps = momentum_carry(optimizer, p, tau_hat), 1.0
+        if d is None and tau_hat > 0:
+            d, steps = update_direction(optimizer, p), tau_hat
         if d is None:
             out[name] = p.detach().clone()
         else:
             eta = _group_of(optimizer, p)["lr"] if lr is None else lr
-            out[name] = p.detach() - (tau_hat * eta) * d.to(p.dtype)
+            out[name] = p.detach() - (steps * eta) * d.to(p.dtype)
     return out
 
 
@@ -179,7 +268,8 @@ class LookaheadForward:
 
     Runtime wiring, per stage::
 
-        la = LookaheadForward(stage, optimizer, mode=m.asyncmesh.mode, delay_ema=m.asyncmesh.delay_ema)
+        la = LookaheadForward(stage, optimizer, mode=m.asyncmesh.mode, delay_ema=m.asyncmesh.delay_ema,
+                             target=m.asyncmesh.lookahead_target)
         # forward of microbatch j (store only its inputs and `w`)
         w = la.weights(); out = la.forward(w, x, ids)
         # when its gradient arrives
@@ -200,10 +290,13 @@ class LookaheadForward:
         mode: str = "lookahead",
         delay_ema: float = 0.9,
         initial_delay: float = 0.0,
+        target: str = "momentum",
     ):
         if mode not in MODES:
             raise ValueError(f"asyncmesh mode must be one of {MODES}, got {mode!r}")
-        self.module, self.optimizer, self.mode = module, optimizer, mode
+        if target not in LOOKAHEAD_TARGETS:
+            raise ValueError(f"look-ahead target must be one of {LOOKAHEAD_TARGETS}, got {target!r}")
+        self.module, self.optimizer, self.mode, self.target = module, optimizer, mode, target
         self.delays = DelayTracker(delay_ema, initial_delay)
         self.version = 0
         self._cached: StageWeights | None = None
@@ -221,7 +314,7 @@ class LookaheadForward:
             elif self.mode == "none":
                 tensors = {n: p.detach().clone() for n, p in _trainable(self.module).items()}
             else:
-                tensors = lookahead_params(self.module, self.optimizer, tau)
+                tensors = lookahead_params(self.module, self.optimizer, tau, target=self.target)
             self._cached = StageWeights(self.version, tau, tensors)
         return self._cached
 

@@ -27,6 +27,7 @@ KNOWN_OPTIMIZERS = ("adamw", "adam", "nadam", "sgd", "muon", "numuon")
 KNOWN_SCHEDULES = ("constant", "cosine", "linear")
 KNOWN_DATA_SOURCES = ("stdlib", "text", "hf")
 KNOWN_PIPELINE_MODES = ("lookahead", "none", "gpipe")
+KNOWN_LOOKAHEAD_TARGETS = ("momentum", "update")
 KNOWN_BLOCK_NORMS = ("peri", "pre", "post")
 
 
@@ -159,6 +160,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class AsyncMeshConfig:
     mode: str = "lookahead"  # lookahead | none | gpipe
+    # what the look-ahead extrapolates: the momentum's carried share of the next τ̂ steps, or
+    # τ̂ × the current update direction (stages/asyncmesh.py lookahead_params)
+    lookahead_target: str = "momentum"
     gpipe_flush_every: int = 4
     delay_ema: float = 0.9
     avg_fraction: float = 0.05  # p
@@ -452,6 +456,11 @@ def validate_manifest(m: Manifest) -> None:
     if a.mode not in KNOWN_PIPELINE_MODES:
         raise ManifestError(
             f"asyncmesh.mode: unknown mode {a.mode!r}; known: {', '.join(KNOWN_PIPELINE_MODES)}"
+        )
+    if a.lookahead_target not in KNOWN_LOOKAHEAD_TARGETS:
+        raise ManifestError(
+            f"asyncmesh.lookahead_target: unknown target {a.lookahead_target!r}; known: "
+            f"{', '.join(KNOWN_LOOKAHEAD_TARGETS)}"
         )
     if not 0 < a.avg_fraction <= 1:
         raise ManifestError(f"asyncmesh.avg_fraction: must be in (0, 1], got {a.avg_fraction}")

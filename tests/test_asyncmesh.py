@@ -21,6 +21,7 @@ from stages.asyncmesh import (
     apply_average_delta,
     first_moments,
     lookahead_params,
+    momentum_carry,
     snapshot,
     update_direction,
 )
@@ -124,6 +125,91 @@ def test_custom_update_direction_hook_and_unknown_optimizer():
     with pytest.raises(NotImplementedError, match="update_direction"):
         LookaheadForward(lin, adagrad, mode="lookahead")
     LookaheadForward(lin, adagrad, mode="none")  # plain async needs no direction
+
+
+def _momentum_opts(params):
+    return {
+        "adam": torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.999)),
+        "adamw": torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.999), weight_decay=0.1),
+        "nadam": torch.optim.NAdam(params, lr=0.01, betas=(0.99, 0.999), decoupled_weight_decay=True,
+                                   weight_decay=0.01),
+        "sgd": torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        "sgd_nesterov": torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True),
+    }
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "nadam", "sgd", "sgd_nesterov"])
+def test_momentum_carry_is_where_the_weights_go_when_future_gradients_are_zero(name):
+    """The carry is the part of the next τ steps that the optimizer state fixes: run τ more steps
+    with zero gradients and the weights land at W − lr·carry (exactly for SGD; for the Adam
+    family up to the slow drift of v̂ and the compounding of weight decay over τ steps)."""
+    torch.manual_seed(3)
+    w = nn.Parameter(torch.randn(6, 5))
+    opt = _momentum_opts([w])[name]
+    for _ in range(7):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    if not name.startswith("sgd"):
+        # late in training: bias corrections ≈ 1, so τ steps with zero gradients leave v̂ nearly
+        # where it is (β2^τ), as the carry assumes (future gradients zero-mean with v̂'s variance)
+        st = opt.state[w]
+        st["step"] = torch.tensor(10_000.0)
+        if "mu_product" in st:
+            st["mu_product"] = torch.tensor(0.0)
+    tau = 4
+    carry = momentum_carry(opt, w, float(tau))
+    expected = w.detach() - opt.param_groups[0]["lr"] * carry
+    before = w.detach().clone()
+    for _ in range(tau):
+        w.grad = torch.zeros_like(w)
+        opt.step()
+    moved = float((w.detach() - before).abs().max())
+    tol = dict(rtol=0, atol=1e-6) if name.startswith("sgd") else dict(rtol=0, atol=0.01 * moved)
+    torch.testing.assert_close(w.detach(), expected, **tol)
+    assert not torch.allclose(before, w.detach())  # the state really did carry the weights on
+
+
+def test_momentum_carry_fractional_tau_and_the_update_target_overshoot():
+    torch.manual_seed(4)
+    w = nn.Parameter(torch.randn(4, 4))
+    opt = torch.optim.NAdam([w], lr=0.01, betas=(0.99, 0.999))
+    assert momentum_carry(opt, w, 2.0) is None  # no state yet
+    for _ in range(20):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    c2, c3 = momentum_carry(opt, w, 2.0), momentum_carry(opt, w, 3.0)
+    torch.testing.assert_close(momentum_carry(opt, w, 2.5), 0.5 * (c2 + c3))
+    # early in NAdam's momentum-decay schedule (μ ≈ 0.5) and with m's bias correction at t = 20
+    # (1 − 0.99^20 ≈ 0.18), τ̂ × the update direction is several times the carried share
+    ratio = float((3.0 * update_direction(opt, w)).norm() / c3.norm())
+    assert ratio > 3.0
+
+
+def test_lookahead_params_momentum_target():
+    torch.manual_seed(5)
+    lin = nn.Linear(3, 3)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.02, weight_decay=0.1)
+    assert all(torch.equal(t, p) for t, p in zip(lookahead_params(lin, opt, 3.0, target="momentum").values(),
+                                                 lin.parameters()))  # no state: Ŵ = W
+    for _ in range(5):
+        for p in lin.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    hat = lookahead_params(lin, opt, 3.0, target="momentum")
+    for n, p in lin.named_parameters():
+        torch.testing.assert_close(hat[n], p.detach() - 0.02 * momentum_carry(opt, p, 3.0))
+    with pytest.raises(ValueError, match="target"):
+        lookahead_params(lin, opt, 3.0, target="velocity")
+    with pytest.raises(ValueError, match="target"):
+        LookaheadForward(lin, opt, target="velocity")
+
+    class WithHook(torch.optim.SGD):  # own update direction (Muon-like): falls back to τ̂ · direction
+        def update_direction(self, p):
+            return torch.full_like(p, 2.0)
+
+    hook = WithHook(lin.parameters(), lr=0.5, momentum=0.9)
+    torch.testing.assert_close(lookahead_params(lin, hook, 3.0, target="momentum")["weight"],
+                               lin.weight - 3.0 * 0.5 * 2.0)
 
 
 def _train_a_bit(stage, opt, steps, x, ids):
@@ -367,15 +453,19 @@ def test_bench_quick_runs_and_prints_one_json():
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_asyncmesh.py"), "--quick",
-                           "--avg-every-extra", "3"],
+                           "--avg-every-extra", "3", "--other-targets", "update"],
                           capture_output=True, text=True, timeout=85, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     for key in ("val_loss", "lookahead_gap_rel", "utilisation", "sparse_avg_gap_rel", "avg_bytes_ratio",
                 "averaging_consensus_val_loss", "sparse_avg_consensus_gap_rel", "settings"):
         assert key in out
-    assert set(out["val_loss"]) == {"gpipe", "async_none", "async_lookahead"}
+    assert set(out["val_loss"]) == {"gpipe", "async_none", "async_lookahead", "async_lookahead_update"}
     assert all(math.isfinite(v) for v in out["val_loss"].values())
+    assert out["settings"]["lookahead_target"] == "momentum"  # the manifest's default
+    # prediction error of Ŵ vs plain async's stash, per stage; the tail (τ = 0) has none
+    for errs in out["lookahead_prediction_error_rel"].values():
+        assert errs[-1] is None and all(0 < e < 10 for e in errs[:-1])
     # identical replicas (full averaging every step): the consensus is each replica
     assert out["averaging_consensus_val_loss"]["full_every_step"] == out["averaging_val_loss"]["full_every_step"]
     h3 = out["averaging_other_H"]["3"]
