@@ -103,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="what look-ahead extrapolates (default: the manifest's asyncmesh.lookahead_target)")
     p.add_argument("--other-targets", default="",
                    help="comma list of further look-ahead targets run side by side as async_lookahead_<target>")
+    p.add_argument("--manifest-optim", action="store_true",
+                   help="also run the pipeline modes with the manifest's own optimizer (keys *_manifest_optim)")
     p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
     p.add_argument("--replicas", type=int, default=2, help="replicas R for the averaging runs")
     p.add_argument("--avg-fraction", type=float, default=0.05, help="p")
@@ -227,6 +229,16 @@ def pipeline_summary(per_seed: dict, tag: str = "") -> dict:
         f"lookahead_beats_none{tag}": vl["async_lookahead"] < vl["async_none"],
         f"lookahead_beats_none{tag}_seeds": sum(
             a["val_loss"] < b["val_loss"] for a, b in zip(per_seed["async_lookahead"], per_seed["async_none"])),
+    }
+
+
+def prediction_errors(per_seed: dict, S: int) -> dict:
+    """Per look-ahead variant and stage, the seed mean of Σ|Ŵ_j − W_apply| / Σ|W_j − W_apply|
+    (None for a stage without delay)."""
+    return {
+        k: [round(statistics.fmean(r["prediction_error_rel"][s] for r in v), 4)
+            if v[0]["prediction_error_rel"][s] is not None else None for s in range(S)]
+        for k, v in per_seed.items() if k.startswith("async_lookahead")
     }
 
 
@@ -649,11 +661,7 @@ def main(argv=None) -> int:
             k: round(statistics.fmean(r["train_loss_last20"] for r in v), 4) for k, v in per_seed.items()
         }
         out["tau_hat"] = per_seed["async_lookahead"][0]["tau_hat"]
-        out["lookahead_prediction_error_rel"] = {
-            k: [round(statistics.fmean(r["prediction_error_rel"][s] for r in v), 4)
-                if v[0]["prediction_error_rel"][s] is not None else None for s in range(S)]
-            for k, v in per_seed.items() if k.startswith("async_lookahead")
-        }
+        out["lookahead_prediction_error_rel"] = prediction_errors(per_seed, S)
         timed = per_seed["async_none"] + per_seed["async_lookahead"]
         fwd = [statistics.median(r["fwd_s"][s] for r in timed) for s in range(S)]
         bwd = [statistics.median(r["bwd_s"][s] for r in timed) for s in range(S)]
@@ -702,6 +710,19 @@ def main(argv=None) -> int:
             }
         else:
             out["utilisation"] = simulated
+        if args.manifest_optim:
+            # the same pipeline runs with the optimizer the shipped manifest trains with
+            # (runs/default.toml: AdamW (0.9, 0.95)) instead of papers.md §2's NAdam (0.99, 0.999)
+            mo = load_manifest(args.manifest).optim
+            mo_args = argparse.Namespace(**{**vars(args), "optim": mo.name, "beta1": mo.betas[0],
+                                            "beta2": mo.betas[1], "lr": mo.lr})
+            mom = make_manifest(mo_args)
+            mps = pipeline_modes(mom, delays, corpus, val, mo_args)
+            out.update(pipeline_summary(mps, "_manifest_optim"))
+            out["lookahead_prediction_error_rel_manifest_optim"] = prediction_errors(mps, S)
+            out["manifest_optim_settings"] = {"name": mom.optim.name, "betas": list(mom.optim.betas),
+                                              "lr": mom.optim.lr, "weight_decay": mom.optim.weight_decay,
+                                              "delays_per_stage": delays}
         if args.deep_stages:
             # a second regime next to the default layout's (which stays reported above): the same
             # model cut into more stages, longer 1F1B delays, optionally another peak lr

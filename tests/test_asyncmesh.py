@@ -453,7 +453,7 @@ def test_bench_quick_runs_and_prints_one_json():
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_asyncmesh.py"), "--quick",
-                           "--avg-every-extra", "3", "--other-targets", "update"],
+                           "--avg-every-extra", "3", "--other-targets", "update", "--manifest-optim"],
                           capture_output=True, text=True, timeout=85, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
@@ -466,6 +466,10 @@ def test_bench_quick_runs_and_prints_one_json():
     # prediction error of Ŵ vs plain async's stash, per stage; the tail (τ = 0) has none
     for errs in out["lookahead_prediction_error_rel"].values():
         assert errs[-1] is None and all(0 < e < 10 for e in errs[:-1])
+    # the shipped manifest's optimizer (AdamW) as a second regime next to NAdam's
+    assert out["manifest_optim_settings"]["name"] == "adamw" and out["settings"]["pipeline_optim"]["name"] == "nadam"
+    assert set(out["val_loss_manifest_optim"]) == set(out["val_loss"])
+    assert out["val_loss_manifest_optim"] != out["val_loss"]
     # identical replicas (full averaging every step): the consensus is each replica
     assert out["averaging_consensus_val_loss"]["full_every_step"] == out["averaging_val_loss"]["full_every_step"]
     h3 = out["averaging_other_H"]["3"]
