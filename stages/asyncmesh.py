@@ -89,35 +89,52 @@ def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> t
     custom = getattr(optimizer, "update_direction", None)
     if callable(custom):
         return custom(param)
-    if not isinstance(optimizer, _KNOWN):
-        raise NotImplementedError(
-            f"look-ahead does not know the update direction of {type(optimizer).__name__}; give it an "
-            "update_direction(param) method or run with asyncmesh.mode = 'none'"
-        )
-    state = optimizer.state.get(param)
-    if not state:
+    found = _state_of(optimizer, param, "update direction")
+    if found is None:
         return None
-    group = _group_of(optimizer, param)
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam)):
-        if "exp_avg" not in state:
+    state, group = found
+    if not isinstance(optimizer, torch.optim.SGD):
+        adam = _adam_step_denom(state, group)
+        if adam is None:
             return None
-        step = float(state["step"])
-        if step <= 0:
-            return None
-        beta1, beta2 = group["betas"]
-        v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state["exp_avg_sq"]
-        m_hat = state["exp_avg"] / (1 - beta1**step)
-        v_hat = v / (1 - beta2**step)
-        direction = m_hat / (v_hat.sqrt() + group["eps"])
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-        if decoupled and group.get("weight_decay", 0.0):
-            direction = direction + group["weight_decay"] * param.detach()
-        return direction
-    buf = state.get("momentum_buffer")  # SGD
+        step, denom = adam
+        direction = (state["exp_avg"] / (1 - group["betas"][0] ** step)) / denom
+        wd = _decoupled_decay(optimizer, group)
+        return direction + wd * param.detach() if wd else direction
+    buf = state.get("momentum_buffer")
     return None if buf is None else buf.clone()
 
 
 _KNOWN = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.SGD)
+
+
+def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, what: str) -> tuple[dict, dict] | None:
+    """(state, group) of ``param`` in one of the optimizers look-ahead knows; None before its
+    first step; unknown optimizers are refused (they need ``mode = 'none'``)."""
+    if not isinstance(optimizer, _KNOWN):
+        raise NotImplementedError(
+            f"look-ahead does not know the {what} of {type(optimizer).__name__}; give it an "
+            "update_direction(param) method or run with asyncmesh.mode = 'none'"
+        )
+    state = optimizer.state.get(param)
+    return (state, _group_of(optimizer, param)) if state else None
+
+
+def _adam_step_denom(state: dict, group: dict) -> tuple[float, torch.Tensor] | None:
+    """Adam / AdamW / NAdam: (step t, √v̂_t + eps) as the optimizer divides by; None before a step."""
+    if "exp_avg" not in state:
+        return None
+    step = float(state["step"])
+    if step <= 0:
+        return None
+    v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state["exp_avg_sq"]
+    return step, (v / (1 - group["betas"][1] ** step)).sqrt() + group["eps"]
+
+
+def _decoupled_decay(optimizer: torch.optim.Optimizer, group: dict) -> float:
+    """The weight decay applied to W directly each step (AdamW, decoupled NAdam), else 0."""
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+    return group.get("weight_decay", 0.0) if decoupled else 0.0
 
 LOOKAHEAD_TARGETS = ("momentum", "update")
 
@@ -153,15 +170,10 @@ def momentum_carry(optimizer: torch.optim.Optimizer, param: torch.Tensor, tau_ha
     """
     if callable(getattr(optimizer, "update_direction", None)):
         return None
-    if not isinstance(optimizer, _KNOWN):
-        raise NotImplementedError(
-            f"look-ahead does not know the momentum of {type(optimizer).__name__}; run with "
-            "asyncmesh.mode = 'none'"
-        )
-    state = optimizer.state.get(param)
-    if not state:
+    found = _state_of(optimizer, param, "momentum")
+    if found is None:
         return None
-    group = _group_of(optimizer, param)
+    state, group = found
     horizon = _horizon_weights(tau_hat)
     if isinstance(optimizer, torch.optim.SGD):
         buf = state.get("momentum_buffer")
@@ -170,14 +182,11 @@ def momentum_carry(optimizer: torch.optim.Optimizer, param: torch.Tensor, tau_ha
             return None
         shift = 1 if group.get("nesterov") else 0
         return sum(w * beta ** (k + shift) for k, w in horizon) * buf
-    if "exp_avg" not in state:
+    adam = _adam_step_denom(state, group)
+    if adam is None:
         return None
-    t = int(float(state["step"]))
-    if t <= 0:
-        return None
-    beta1, beta2 = group["betas"]
-    v = state.get("max_exp_avg_sq") if group.get("amsgrad") else state["exp_avg_sq"]
-    denom = (v / (1 - beta2**t)).sqrt() + group["eps"]
+    t, denom = int(adam[0]), adam[1]
+    beta1 = group["betas"][0]
     if isinstance(optimizer, torch.optim.NAdam):
         psi = group["momentum_decay"]
         prod = float(state["mu_product"])
@@ -192,10 +201,8 @@ def momentum_carry(optimizer: torch.optim.Optimizer, param: torch.Tensor, tau_ha
     else:
         coef = sum(w * beta1**k / (1.0 - beta1 ** (t + k)) for k, w in horizon)
     carry = coef * state["exp_avg"] / denom
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-    if decoupled and group.get("weight_decay", 0.0):
-        carry = carry + (tau_hat * group["weight_decay"]) * param.detach()
-    return carry
+    wd = _decoupled_decay(optimizer, group)
+    return carry + (tau_hat * wd) * param.detach() if wd else carry
 
 
 def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
