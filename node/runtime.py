@@ -174,6 +174,7 @@ class Context:
     created: float = field(default_factory=time.monotonic)
     next_peer: str | None = None
     sent_at: float = 0.0
+    horizon: float | None = None  # the head's look-ahead horizon this microbatch came with (pipeline horizon)
 
     @property
     def tokens(self) -> int:
@@ -240,6 +241,11 @@ class StageRuntime:
         self.la = LookaheadForward(stage, optimizer, mode=manifest.asyncmesh.mode,
                                    delay_ema=manifest.asyncmesh.delay_ema,
                                    target=manifest.asyncmesh.lookahead_target)
+        # asyncmesh.lookahead_horizon = "pipeline": the head sends its τ̂ with every fwd, the other
+        # stages pass it on and extrapolate by max(own τ̂, an EMA of it)
+        self.pipeline_horizon = (manifest.asyncmesh.mode == "lookahead"
+                                 and manifest.asyncmesh.lookahead_horizon == "pipeline")
+        self.head_horizon: float | None = None
         self.policy = StepPolicy(manifest.asyncmesh.mode, manifest.asyncmesh.gpipe_flush_every,
                                  max_inflight, manifest.train.grad_accum)
         self.checkpoint_every = self.opt.checkpoint_every or manifest.train.checkpoint_every
@@ -468,6 +474,8 @@ class StageRuntime:
         if not verdict.accept:
             self.metrics.served.labels(protocol="fwd", result="rejected-by-verifier").inc()
             return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=fwd.mb)
+        if self.pipeline_horizon and fwd.horizon is not None:
+            self._note_head_horizon(fwd.horizon)
         try:
             fut = self.worker.submit("fwd", self._compute_fwd, fwd)
         except QueueFull:
@@ -478,6 +486,13 @@ class StageRuntime:
         self.metrics.served.labels(protocol="fwd", result="ack").inc()
         self._update_queue_gauges()
         return make_ack(fwd.mb, self.index, self.version, queue=self.worker.depth("fwd"))
+
+    def _note_head_horizon(self, h: float) -> None:
+        """The head's τ̂ arrived with a fwd: this stage extrapolates by max(own τ̂, its EMA) from
+        the next optimizer version on (validated by the protocol: finite, 0..MAX_HORIZON)."""
+        ema = self.la.delays.ema
+        self.head_horizon = h if self.head_horizon is None else ema * self.head_horizon + (1 - ema) * h
+        self.la.horizon = max(self.la.delays.tau_hat, self.head_horizon)
 
     def _autocast(self):
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.opt.use_amp)
@@ -521,7 +536,8 @@ class StageRuntime:
             await self._send_bwd(fwd.mb, fwd.route + (self.peer_id,), grad=grad)
             return
         code, x, ids, w, version = result
-        ctx = Context(fwd.mb, fwd.route + (self.peer_id,), x, ids, fwd.ids.to(torch.int32), w, version)
+        ctx = Context(fwd.mb, fwd.route + (self.peer_id,), x, ids, fwd.ids.to(torch.int32), w, version,
+                      horizon=fwd.horizon)
         self.contexts[fwd.mb] = ctx
         await self._send_fwd(ctx, code)
 
@@ -531,7 +547,13 @@ class StageRuntime:
         """Send ``code`` to a replica of the next stage: retry elsewhere on busy/failure, drop at the deadline."""
         if "act" in self.attacks:  # testing the verifier only (--attack, refused unless allowed)
             code = self.attacks["act"](code, self.version).contiguous()
-        frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version, ctx.route, code, ctx.ids_wire)
+        extra = {}
+        if self.pipeline_horizon:
+            h = self.la.delays.tau_hat if self.is_head else ctx.horizon
+            if h is not None:
+                extra["horizon"] = round(float(h), 3)
+        frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version, ctx.route, code, ctx.ids_wire,
+                          **extra)
         deadline = time.monotonic() + self.opt.forward_deadline
         tried: set[str] = set()
         backoff = 0.02
@@ -964,6 +986,8 @@ class StageRuntime:
             "loss": self.last_loss, "tokens_per_s": round(self.tokens_per_s(), 2),
             "banned": len(self.router.banned()),
         }
+        if self.pipeline_horizon and self.la.horizon is not None:
+            out["lookahead_horizon"] = round(self.la.horizon, 2)
         rtts = sorted(self.rtts)
         if rtts:
             out["mb_rtt_p50_ms"] = round(1000 * rtts[len(rtts) // 2], 2)

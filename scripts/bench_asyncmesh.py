@@ -103,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="what look-ahead extrapolates (default: the manifest's asyncmesh.lookahead_target)")
     p.add_argument("--other-targets", default="",
                    help="comma list of further look-ahead targets run side by side as async_lookahead_<target>")
+    p.add_argument("--pipeline-horizon", action="store_true",
+                   help="also run look-ahead with every stage extrapolating by the head's delay, asynchronously "
+                   "(async_lookahead_pipeline_horizon) and synchronously (gpipe_extrapolated)")
     p.add_argument("--manifest-optim", action="store_true",
                    help="also run the pipeline modes with the manifest's own optimizer (keys *_manifest_optim)")
     p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
@@ -208,6 +211,14 @@ def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
         for t in other:
             mt = m.replace(asyncmesh={"lookahead_target": t})
             per_seed[f"async_lookahead_{t}"].append(run_pipeline(mt, "lookahead", delays, corpus, val, args_s))
+        if args.pipeline_horizon:
+            # every stage looks ahead by the head's delay (to when the microbatch's last gradient
+            # lands), and the same extrapolation on the synchronous run: is a gain staleness
+            # correction, or the extrapolation itself (Nesterov-like) also without delays?
+            per_seed.setdefault("async_lookahead_pipeline_horizon", []).append(
+                run_pipeline(m, "lookahead", delays, corpus, val, args_s, horizon=float(max(delays))))
+            per_seed.setdefault("gpipe_extrapolated", []).append(
+                run_pipeline(m, "lookahead", [0] * m.n_stages, corpus, val, args_s, horizon=float(max(delays))))
     return per_seed
 
 
@@ -246,14 +257,17 @@ def rel_gap(a: float, b: float) -> float:
     return round(a / b - 1, 4)
 
 
-def run_pipeline(m, mode: str, delays: list[int], corpus, val, args) -> dict:
-    """Train S stages for ``args.steps`` microbatches with per-stage gradient delays ``delays``."""
+def run_pipeline(m, mode: str, delays: list[int], corpus, val, args, horizon: float | None = None) -> dict:
+    """Train S stages for ``args.steps`` microbatches with per-stage gradient delays ``delays``;
+    ``horizon`` fixes every stage's look-ahead extrapolation (None: each stage's own τ̂)."""
     S = m.n_stages
+    if horizon is None and mode == "lookahead" and m.asyncmesh.lookahead_horizon == "pipeline":
+        horizon = float(max(delays))  # what the runtime's fwd frames carry: the head's delay
     torch.manual_seed(args.seed)
     stages = [build_stage(m, s) for s in range(S)]
     opts = [build_optimizer(m, st) for st in stages]
-    las = [LookaheadForward(st, o, mode=mode, delay_ema=m.asyncmesh.delay_ema, target=m.asyncmesh.lookahead_target)
-           for st, o in zip(stages, opts)]
+    las = [LookaheadForward(st, o, mode=mode, delay_ema=m.asyncmesh.delay_ema, target=m.asyncmesh.lookahead_target,
+                            horizon=horizon) for st, o in zip(stages, opts)]
     batches = Batches(corpus.train, args.batch_size, m.model.seq_len, args.seed)
     ctx = [dict() for _ in range(S)]  # microbatch -> (weights, x, ids)
     grads = [dict() for _ in range(S)]  # gradient w.r.t. stage s's output, per microbatch
@@ -811,6 +825,7 @@ def main(argv=None) -> int:
                            "schedule": m.schedule.kind, "warmup_steps": m.schedule.warmup_steps},
         "delays_per_stage": delays, "max_inflight": inflight, "gpipe_flush_every": flush,
         "lookahead_target": m.asyncmesh.lookahead_target,
+        "lookahead_horizon": m.asyncmesh.lookahead_horizon,
         "gpipe_loss_runs": "delay 0 (synchronous), same batch per step as async",
         "replicas": args.replicas, "avg_fraction": args.avg_fraction, "avg_every": args.avg_every,
         "avg_latency_steps": args.avg_latency, "avg_optim": args.avg_optim,

@@ -298,12 +298,18 @@ class LookaheadForward:
         delay_ema: float = 0.9,
         initial_delay: float = 0.0,
         target: str = "momentum",
+        horizon: float | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"asyncmesh mode must be one of {MODES}, got {mode!r}")
         if target not in LOOKAHEAD_TARGETS:
             raise ValueError(f"look-ahead target must be one of {LOOKAHEAD_TARGETS}, got {target!r}")
+        if horizon is not None and horizon < 0:
+            raise ValueError(f"look-ahead horizon must be >= 0, got {horizon}")
         self.module, self.optimizer, self.mode, self.target = module, optimizer, mode, target
+        # a fixed extrapolation horizon instead of this stage's τ̂ (an experiment of the bench:
+        # every stage looking ahead to the same time; τ is still measured)
+        self.horizon = horizon
         self.delays = DelayTracker(delay_ema, initial_delay)
         self.version = 0
         self._cached: StageWeights | None = None
@@ -315,7 +321,9 @@ class LookaheadForward:
     def weights(self) -> StageWeights:
         """The weights to forward the next microbatch with (computed once per optimizer version)."""
         if self._cached is None or self._cached.version != self.version:
-            tau = self.delays.tau_hat if self.mode == "lookahead" else 0.0
+            tau = 0.0
+            if self.mode == "lookahead":
+                tau = self.delays.tau_hat if self.horizon is None else self.horizon
             if self.mode == "gpipe":
                 tensors = None
             elif self.mode == "none":

@@ -28,6 +28,7 @@ KNOWN_SCHEDULES = ("constant", "cosine", "linear")
 KNOWN_DATA_SOURCES = ("stdlib", "text", "hf")
 KNOWN_PIPELINE_MODES = ("lookahead", "none", "gpipe")
 KNOWN_LOOKAHEAD_TARGETS = ("momentum", "update")
+KNOWN_LOOKAHEAD_HORIZONS = ("stage", "pipeline")
 KNOWN_BLOCK_NORMS = ("peri", "pre", "post")
 
 
@@ -163,6 +164,10 @@ class AsyncMeshConfig:
     # what the look-ahead extrapolates: the momentum's carried share of the next τ̂ steps, or
     # τ̂ × the current update direction (stages/asyncmesh.py lookahead_params)
     lookahead_target: str = "momentum"
+    # how far ahead: "stage", this stage's own τ̂ (papers.md §2); "pipeline", the largest delay in
+    # the pipeline (the head's τ̂, carried in fwd frames), so every stage extrapolates to when the
+    # microbatch's last gradient lands (docs/ASYNCMESH.md: helps with AdamW, neutral with NAdam)
+    lookahead_horizon: str = "stage"
     gpipe_flush_every: int = 4
     delay_ema: float = 0.9
     avg_fraction: float = 0.05  # p
@@ -461,6 +466,11 @@ def validate_manifest(m: Manifest) -> None:
         raise ManifestError(
             f"asyncmesh.lookahead_target: unknown target {a.lookahead_target!r}; known: "
             f"{', '.join(KNOWN_LOOKAHEAD_TARGETS)}"
+        )
+    if a.lookahead_horizon not in KNOWN_LOOKAHEAD_HORIZONS:
+        raise ManifestError(
+            f"asyncmesh.lookahead_horizon: unknown horizon {a.lookahead_horizon!r}; known: "
+            f"{', '.join(KNOWN_LOOKAHEAD_HORIZONS)}"
         )
     if not 0 < a.avg_fraction <= 1:
         raise ManifestError(f"asyncmesh.avg_fraction: must be in (0, 1], got {a.avg_fraction}")

@@ -212,6 +212,29 @@ def test_lookahead_params_momentum_target():
                                lin.weight - 3.0 * 0.5 * 2.0)
 
 
+def test_fixed_horizon_replaces_the_measured_delay():
+    """``horizon`` fixes the extrapolation (the bench's pipeline-wide horizon experiment); τ is
+    still measured, and without it the stage extrapolates by its own τ̂."""
+    torch.manual_seed(6)
+    lin = nn.Linear(3, 3)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.02)
+    for _ in range(4):
+        for p in lin.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    fixed = LookaheadForward(lin, opt, horizon=5.0)
+    own = LookaheadForward(lin, opt)
+    for la in (fixed, own):
+        la.delays.record(0, 2)  # measured τ = 2
+    wf, wo = fixed.weights(), own.weights()
+    assert wf.tau_hat == 5.0 and wo.tau_hat == 2.0 and fixed.delays.tau_hat == 2.0
+    for n, t in lookahead_params(lin, opt, 5.0, target="momentum").items():
+        assert torch.equal(wf.tensors[n], t)
+    assert not torch.equal(wf.tensors["weight"], wo.tensors["weight"])
+    with pytest.raises(ValueError, match="horizon"):
+        LookaheadForward(lin, opt, horizon=-1.0)
+
+
 def _train_a_bit(stage, opt, steps, x, ids):
     for _ in range(steps):
         out = stage(x, ids)

@@ -41,6 +41,8 @@ def test_default_compression_is_at_least_30x(default_manifest):
         ({"data": {"source": "text"}}, "data.path: required"),
         ({"run": {"protocol_version": 2}}, "run.protocol_version"),
         ({"asyncmesh": {"mode": "sync"}}, "asyncmesh.mode: unknown mode"),
+        ({"asyncmesh": {"lookahead_target": "velocity"}}, "asyncmesh.lookahead_target: unknown target"),
+        ({"asyncmesh": {"lookahead_horizon": "far"}}, "asyncmesh.lookahead_horizon: unknown horizon"),
         ({"model": {"n_layer": 4}}, "model.n_layer: unknown field"),
         ({"modle": {}}, "unknown manifest section [modle]"),
     ],

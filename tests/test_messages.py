@@ -98,6 +98,12 @@ def test_fwd_round_trip_and_zero_copy_alignment():
     assert msg.c.data_ptr() == msg.ids.data_ptr() + ids.numel() * 8  # both views of one body
 
 
+def test_fwd_optional_horizon():
+    assert validate_fwd(fwd(), expect_fwd(), sender="peerB").horizon is None
+    assert validate_fwd(fwd(horizon=4.25), expect_fwd(), sender="peerB").horizon == 4.25
+    assert validate_fwd(fwd(horizon=3), expect_fwd(), sender="peerB").horizon == 3.0
+
+
 def test_bwd_round_trip_and_skip():
     g = torch.randn(1, 16, K)
     msg = validate_bwd(bwd(grad=g), expect_bwd(self_peer="peerB"), sender="peerC")
@@ -143,6 +149,11 @@ def test_bwd_round_trip_and_skip():
         (dict(c=torch.randn(0, 5, K), ids=torch.zeros(0, 5, dtype=torch.long)), {}, None, Reason.BAD_FRAME,
          ">= 1"),
         (dict(c=torch.full((2, 5, K), float("nan"))), {}, None, Reason.BAD_FRAME, "non-finite"),
+        (dict(horizon="far"), {}, None, Reason.BAD_FRAME, "'horizon'"),
+        (dict(horizon=-1.0), {}, None, Reason.BAD_FRAME, "'horizon'"),
+        (dict(horizon=float("inf")), {}, None, Reason.BAD_FRAME, "'horizon'"),
+        (dict(horizon=1e9), {}, None, Reason.BAD_FRAME, "'horizon'"),
+        (dict(horizon=True), {}, None, Reason.BAD_FRAME, "'horizon'"),
     ],
 )
 def test_fwd_refusals(frame_kw, expect_kw, sender, reason, needle):

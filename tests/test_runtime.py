@@ -622,3 +622,46 @@ async def test_architecture_warmup_unlocks_each_stages_blocks_on_the_shared_sche
     late = make_runtime(m, 2, "tail2", Net())
     late.set_version(5)  # a joiner that downloaded the tail's state at step 5: layer 2 still locked
     assert late.arch.locked == {2} and not late.stage.blocks[0].active
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("horizon", ["stage", "pipeline"])
+async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(test_manifest, horizon):
+    """asyncmesh.lookahead_horizon = "pipeline": the head's τ̂ rides in every fwd, the body passes it
+    on, and body and tail extrapolate by max(own τ̂, that horizon); with "stage" (the default) no
+    fwd carries one and every stage uses its own τ̂ (the tail's is 0: it does not look ahead)."""
+    m = test_manifest.replace(schedule={"warmup_steps": 2}, asyncmesh={"lookahead_horizon": horizon})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), steps=40)
+    body = make_runtime(m, 1, "body", net)
+    tail = make_runtime(m, 2, "tail", net)
+    rts = [head, body, tail]
+    sent = []
+    orig = body.transport.request
+
+    async def spy(peer, protocol, frames, *a, **kw):  # the body's outgoing fwds
+        if protocol == FWD:
+            sent.append(_frame_of(_buffers(frames)).header.get("horizon"))
+        return await orig(peer, protocol, frames, *a, **kw)
+
+    body.transport.request = spy
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: head.version >= 40 and head.inflight == 0, timeout=60)
+        await asyncio.wait_for(drive, 5)
+    finally:
+        await stop_all(rts)
+    head_tau = head.la.delays.tau_hat
+    assert head_tau > 0 and head.la.horizon is None  # the head looks ahead by its own τ̂ either way
+    if horizon == "stage":
+        assert body.la.horizon is None and tail.la.horizon is None and set(sent) == {None}
+        assert tail.la.weights().tau_hat == 0
+        return
+    assert sent and all(h is not None for h in sent) and sent[-1] > 0  # passed on by the body (0 before τ is known)
+    for rt in (body, tail):
+        assert rt.head_horizon == pytest.approx(head_tau, abs=1.5)
+        assert rt.la.horizon == max(rt.la.delays.tau_hat, rt.head_horizon)
+        assert rt.status()["lookahead_horizon"] == round(rt.la.horizon, 2)
+    assert tail.la.horizon > 0 and tail.la.weights().tau_hat == tail.la.horizon
