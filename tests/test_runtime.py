@@ -202,6 +202,23 @@ def value(rt, name, **labels):
     return metric_sum(parse_metrics(rt.metrics.render().decode()), name, **labels)
 
 
+async def train_until(rts, steps, timeout=60.0, drain=False):
+    """Link and start ``rts`` (head first), drive the head to ``steps`` optimizer steps with nothing
+    left in flight, optionally drain every stage, and stop them all."""
+    head = rts[0]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: head.version >= steps and head.inflight == 0, timeout=timeout)
+        await asyncio.wait_for(drive, 5)
+        if drain:
+            for rt in rts:
+                assert await rt.drain(5.0)
+    finally:
+        await stop_all(rts)
+
+
 async def wait_for(cond, timeout=30.0, step=0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -592,16 +609,7 @@ async def test_architecture_warmup_unlocks_each_stages_blocks_on_the_shared_sche
     assert body.arch.locked == {1} and tail.arch.locked == {2} and head.arch.locked == set()
     assert not body_block.active and not any(p.requires_grad for p in body_block.parameters())
     before = {n: p.detach().clone() for n, p in tail_block.named_parameters()}
-    link(rts)
-    await start_all(rts)
-    drive = asyncio.ensure_future(head.drive())
-    try:
-        assert await wait_for(lambda: head.version >= 14 and head.inflight == 0, timeout=60)
-        await asyncio.wait_for(drive, 5)
-        for rt in rts:
-            assert await rt.drain(5.0)
-    finally:
-        await stop_all(rts)
+    await train_until(rts, 14, drain=True)
     assert body.arch.locked == set() and tail.arch.locked == set()
     assert body_block.active and tail_block.active
     # unlocked at step 8 and trained for ~6 steps since: re-initialised, then moved by updates
@@ -645,14 +653,7 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
         return await orig(peer, protocol, frames, *a, **kw)
 
     body.transport.request = spy
-    link(rts)
-    await start_all(rts)
-    drive = asyncio.ensure_future(head.drive())
-    try:
-        assert await wait_for(lambda: head.version >= 40 and head.inflight == 0, timeout=60)
-        await asyncio.wait_for(drive, 5)
-    finally:
-        await stop_all(rts)
+    await train_until(rts, 40)
     head_tau = head.la.delays.tau_hat
     assert head_tau > 0 and head.la.horizon is None  # the head looks ahead by its own τ̂ either way
     if horizon == "stage":
