@@ -246,6 +246,9 @@ class StageRuntime:
         self.pipeline_horizon = (manifest.asyncmesh.mode == "lookahead"
                                  and manifest.asyncmesh.lookahead_horizon == "pipeline")
         self.head_horizon: float | None = None
+        # a received horizon is clamped here: in 1F1B the head's delay stays below the number of
+        # microbatches it keeps in flight, so a peer cannot push this stage's extrapolation further
+        self.max_horizon = float(max_inflight)
         self.policy = StepPolicy(manifest.asyncmesh.mode, manifest.asyncmesh.gpipe_flush_every,
                                  max_inflight, manifest.train.grad_accum)
         self.checkpoint_every = self.opt.checkpoint_every or manifest.train.checkpoint_every
@@ -489,7 +492,9 @@ class StageRuntime:
 
     def _note_head_horizon(self, h: float) -> None:
         """The head's τ̂ arrived with a fwd: this stage extrapolates by max(own τ̂, its EMA) from
-        the next optimizer version on (validated by the protocol: finite, 0..MAX_HORIZON)."""
+        the next optimizer version on (validated by the protocol: finite, 0..MAX_HORIZON; clamped
+        here at this node's max_inflight)."""
+        h = min(h, self.max_horizon)
         ema = self.la.delays.ema
         self.head_horizon = h if self.head_horizon is None else ema * self.head_horizon + (1 - ema) * h
         self.la.horizon = max(self.la.delays.tau_hat, self.head_horizon)

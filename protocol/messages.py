@@ -15,7 +15,6 @@ Field semantics, types and limits are specified in ``docs/PROTOCOL.md``.
 from __future__ import annotations
 
 import math
-
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from stages.manifest import KNOWN_LOOKAHEAD_TARGETS
+
 MODES = ("lookahead", "none", "gpipe")
 
 
@@ -136,7 +138,7 @@ def _decoupled_decay(optimizer: torch.optim.Optimizer, group: dict) -> float:
     decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
     return group.get("weight_decay", 0.0) if decoupled else 0.0
 
-LOOKAHEAD_TARGETS = ("momentum", "update")
+LOOKAHEAD_TARGETS = KNOWN_LOOKAHEAD_TARGETS  # what m̂ is (the manifest's asyncmesh.lookahead_target)
 
 
 def _horizon_weights(tau_hat: float) -> list[tuple[int, float]]:

@@ -666,3 +666,8 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
         assert rt.la.horizon == max(rt.la.delays.tau_hat, rt.head_horizon)
         assert rt.status()["lookahead_horizon"] == round(rt.la.horizon, 2)
     assert tail.la.horizon > 0 and tail.la.weights().tau_hat == tail.la.horizon
+    # a peer announcing an absurd horizon (the protocol allows up to 1024) cannot push a stage's
+    # extrapolation past its max_inflight, the bound of the head's delay in 1F1B
+    for _ in range(200):
+        body._note_head_horizon(1000.0)
+    assert body.la.horizon <= body.max_horizon == m.train.max_inflight
