@@ -476,14 +476,18 @@ def test_bench_quick_runs_and_prints_one_json():
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_asyncmesh.py"), "--quick",
-                           "--avg-every-extra", "3", "--other-targets", "update", "--manifest-optim"],
+                           "--avg-every-extra", "3", "--other-targets", "update", "--manifest-optim",
+                           "--pipeline-horizon"],
                           capture_output=True, text=True, timeout=85, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     for key in ("val_loss", "lookahead_gap_rel", "utilisation", "sparse_avg_gap_rel", "avg_bytes_ratio",
                 "averaging_consensus_val_loss", "sparse_avg_consensus_gap_rel", "settings"):
         assert key in out
-    assert set(out["val_loss"]) == {"gpipe", "async_none", "async_lookahead", "async_lookahead_update"}
+    assert set(out["val_loss"]) == {"gpipe", "async_none", "async_lookahead", "async_lookahead_update",
+                                    "async_lookahead_pipeline_horizon", "gpipe_extrapolated"}
+    # the synchronous run with the extrapolation is not the plain GPipe run
+    assert out["val_loss"]["gpipe_extrapolated"] != out["val_loss"]["gpipe"]
     assert all(math.isfinite(v) for v in out["val_loss"].values())
     assert out["settings"]["lookahead_target"] == "momentum"  # the manifest's default
     # prediction error of Ŵ vs plain async's stash, per stage; the tail (τ = 0) has none
