@@ -242,10 +242,9 @@ class StageRuntime:
                                    delay_ema=manifest.asyncmesh.delay_ema,
                                    target=manifest.asyncmesh.lookahead_target)
         # asyncmesh.lookahead_horizon = "pipeline": the head sends its τ̂ with every fwd, the other
-        # stages pass it on and extrapolate by max(own τ̂, an EMA of it)
+        # stages pass it on and keep an EMA of it as the floor of their extrapolation (la.horizon)
         self.pipeline_horizon = (manifest.asyncmesh.mode == "lookahead"
                                  and manifest.asyncmesh.lookahead_horizon == "pipeline")
-        self.head_horizon: float | None = None
         # a received horizon is clamped here: in 1F1B the head's delay stays below the number of
         # microbatches it keeps in flight, so a peer cannot push this stage's extrapolation further
         self.max_horizon = float(max_inflight)
@@ -491,13 +490,12 @@ class StageRuntime:
         return make_ack(fwd.mb, self.index, self.version, queue=self.worker.depth("fwd"))
 
     def _note_head_horizon(self, h: float) -> None:
-        """The head's τ̂ arrived with a fwd: this stage extrapolates by max(own τ̂, its EMA) from
-        the next optimizer version on (validated by the protocol: finite, 0..MAX_HORIZON; clamped
-        here at this node's max_inflight)."""
+        """The head's τ̂ arrived with a fwd: its EMA becomes the floor of this stage's extrapolation
+        from the next optimizer version on (validated by the protocol: finite, 0..MAX_HORIZON;
+        clamped here at this node's max_inflight)."""
         h = min(h, self.max_horizon)
-        ema = self.la.delays.ema
-        self.head_horizon = h if self.head_horizon is None else ema * self.head_horizon + (1 - ema) * h
-        self.la.horizon = max(self.la.delays.tau_hat, self.head_horizon)
+        ema, prev = self.la.delays.ema, self.la.horizon
+        self.la.horizon = h if prev is None else ema * prev + (1 - ema) * h
 
     def _autocast(self):
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.opt.use_amp)
@@ -991,8 +989,8 @@ class StageRuntime:
             "loss": self.last_loss, "tokens_per_s": round(self.tokens_per_s(), 2),
             "banned": len(self.router.banned()),
         }
-        if self.pipeline_horizon and self.la.horizon is not None:
-            out["lookahead_horizon"] = round(self.la.horizon, 2)
+        if self.pipeline_horizon:
+            out["lookahead_horizon"] = round(self.la.extrapolation, 2)
         rtts = sorted(self.rtts)
         if rtts:
             out["mb_rtt_p50_ms"] = round(1000 * rtts[len(rtts) // 2], 2)

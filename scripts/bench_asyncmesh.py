@@ -202,7 +202,9 @@ def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
     per mode the list of per-seed run results."""
     other = [t for t in args.other_targets.split(",") if t and t != m.asyncmesh.lookahead_target]
     per_seed = {mode: [] for mode in ("gpipe", "async_none", "async_lookahead",
-                                      *(f"async_lookahead_{t}" for t in other))}
+                                      *(f"async_lookahead_{t}" for t in other),
+                                      *(("async_lookahead_pipeline_horizon", "gpipe_extrapolated")
+                                        if args.pipeline_horizon else ()))}
     for seed in [args.seed + i for i in range(args.seeds)]:
         args_s = argparse.Namespace(**{**vars(args), "seed": seed})
         per_seed["gpipe"].append(run_pipeline(m, "gpipe", [0] * m.n_stages, corpus, val, args_s))
@@ -215,9 +217,9 @@ def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
             # every stage looks ahead by the head's delay (to when the microbatch's last gradient
             # lands), and the same extrapolation on the synchronous run: is a gain staleness
             # correction, or the extrapolation itself (Nesterov-like) also without delays?
-            per_seed.setdefault("async_lookahead_pipeline_horizon", []).append(
+            per_seed["async_lookahead_pipeline_horizon"].append(
                 run_pipeline(m, "lookahead", delays, corpus, val, args_s, horizon=float(max(delays))))
-            per_seed.setdefault("gpipe_extrapolated", []).append(
+            per_seed["gpipe_extrapolated"].append(
                 run_pipeline(m, "lookahead", [0] * m.n_stages, corpus, val, args_s, horizon=float(max(delays))))
     return per_seed
 
@@ -259,7 +261,7 @@ def rel_gap(a: float, b: float) -> float:
 
 def run_pipeline(m, mode: str, delays: list[int], corpus, val, args, horizon: float | None = None) -> dict:
     """Train S stages for ``args.steps`` microbatches with per-stage gradient delays ``delays``;
-    ``horizon`` fixes every stage's look-ahead extrapolation (None: each stage's own τ̂)."""
+    ``horizon`` is every stage's least look-ahead extrapolation (None: each stage's own τ̂)."""
     S = m.n_stages
     if horizon is None and mode == "lookahead" and m.asyncmesh.lookahead_horizon == "pipeline":
         horizon = float(max(delays))  # what the runtime's fwd frames carry: the head's delay

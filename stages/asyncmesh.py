@@ -138,7 +138,11 @@ def _decoupled_decay(optimizer: torch.optim.Optimizer, group: dict) -> float:
     decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
     return group.get("weight_decay", 0.0) if decoupled else 0.0
 
-LOOKAHEAD_TARGETS = KNOWN_LOOKAHEAD_TARGETS  # what m̂ is (the manifest's asyncmesh.lookahead_target)
+
+
+def _check_target(target: str) -> None:
+    if target not in KNOWN_LOOKAHEAD_TARGETS:
+        raise ValueError(f"look-ahead target must be one of {KNOWN_LOOKAHEAD_TARGETS}, got {target!r}")
 
 
 def _horizon_weights(tau_hat: float) -> list[tuple[int, float]]:
@@ -167,7 +171,7 @@ def momentum_carry(optimizer: torch.optim.Optimizer, param: torch.Tensor, tau_ha
     The current v̂ stands in for the future ones (v moves slowly: β2 ≥ 0.95). Why not ``τ̂ ·
     update_direction``: with small batches most of a step is the fresh gradient's noise, which
     no state predicts; extrapolating the whole bias-corrected direction overshoots (measured on
-    the bench model: the loss-optimal multiple of that shift was 0.2–0.4 of it, matching the
+    the bench model: the multiple of that shift landing closest to the applied weights was 0.2–0.4, matching the
     carried share; docs/ASYNCMESH.md).
     """
     if callable(getattr(optimizer, "update_direction", None)):
@@ -234,8 +238,7 @@ def lookahead_params(
     """
     if tau_hat < 0:
         raise ValueError(f"tau_hat must be >= 0, got {tau_hat}")
-    if target not in LOOKAHEAD_TARGETS:
-        raise ValueError(f"look-ahead target must be one of {LOOKAHEAD_TARGETS}, got {target!r}")
+    _check_target(target)
     out = {}
     for name, p in _trainable(module).items():
         d, steps = None, tau_hat  # Ŵ = W − (steps·η)·d
@@ -304,13 +307,12 @@ class LookaheadForward:
     ):
         if mode not in MODES:
             raise ValueError(f"asyncmesh mode must be one of {MODES}, got {mode!r}")
-        if target not in LOOKAHEAD_TARGETS:
-            raise ValueError(f"look-ahead target must be one of {LOOKAHEAD_TARGETS}, got {target!r}")
+        _check_target(target)
         if horizon is not None and horizon < 0:
             raise ValueError(f"look-ahead horizon must be >= 0, got {horizon}")
         self.module, self.optimizer, self.mode, self.target = module, optimizer, mode, target
-        # a fixed extrapolation horizon instead of this stage's τ̂ (an experiment of the bench:
-        # every stage looking ahead to the same time; τ is still measured)
+        # a floor under the extrapolation: the stage looks ahead by max(τ̂, horizon) (the runtime's
+        # pipeline horizon sets it to the head's τ̂; the bench fixes it); τ is still measured
         self.horizon = horizon
         self.delays = DelayTracker(delay_ema, initial_delay)
         self.version = 0
@@ -320,12 +322,18 @@ class LookaheadForward:
             if p is not None:
                 update_direction(optimizer, p)
 
+    @property
+    def extrapolation(self) -> float:
+        """How many steps ahead the next look-ahead weights are: max(τ̂, horizon); 0 unless in
+        ``lookahead`` mode."""
+        if self.mode != "lookahead":
+            return 0.0
+        return self.delays.tau_hat if self.horizon is None else max(self.delays.tau_hat, self.horizon)
+
     def weights(self) -> StageWeights:
         """The weights to forward the next microbatch with (computed once per optimizer version)."""
         if self._cached is None or self._cached.version != self.version:
-            tau = 0.0
-            if self.mode == "lookahead":
-                tau = self.delays.tau_hat if self.horizon is None else self.horizon
+            tau = self.extrapolation
             if self.mode == "gpipe":
                 tensors = None
             elif self.mode == "none":

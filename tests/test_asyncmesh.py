@@ -212,9 +212,9 @@ def test_lookahead_params_momentum_target():
                                lin.weight - 3.0 * 0.5 * 2.0)
 
 
-def test_fixed_horizon_replaces_the_measured_delay():
-    """``horizon`` fixes the extrapolation (the bench's pipeline-wide horizon experiment); τ is
-    still measured, and without it the stage extrapolates by its own τ̂."""
+def test_horizon_is_a_floor_under_the_measured_delay():
+    """``horizon`` is the least extrapolation (the pipeline horizon: the head's τ̂); τ is still
+    measured, a larger τ̂ wins, and without it the stage extrapolates by its own τ̂."""
     torch.manual_seed(6)
     lin = nn.Linear(3, 3)
     opt = torch.optim.AdamW(lin.parameters(), lr=0.02)
@@ -224,10 +224,13 @@ def test_fixed_horizon_replaces_the_measured_delay():
         opt.step()
     fixed = LookaheadForward(lin, opt, horizon=5.0)
     own = LookaheadForward(lin, opt)
-    for la in (fixed, own):
+    low = LookaheadForward(lin, opt, horizon=1.0)
+    for la in (fixed, own, low):
         la.delays.record(0, 2)  # measured τ = 2
     wf, wo = fixed.weights(), own.weights()
     assert wf.tau_hat == 5.0 and wo.tau_hat == 2.0 and fixed.delays.tau_hat == 2.0
+    assert low.weights().tau_hat == 2.0 == low.extrapolation  # own τ̂ above the floor wins
+    assert LookaheadForward(lin, opt, mode="none", horizon=5.0).extrapolation == 0.0
     for n, t in lookahead_params(lin, opt, 5.0, target="momentum").items():
         assert torch.equal(wf.tensors[n], t)
     assert not torch.equal(wf.tensors["weight"], wo.tensors["weight"])

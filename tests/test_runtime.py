@@ -662,10 +662,10 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
         return
     assert sent and all(h is not None for h in sent) and sent[-1] > 0  # passed on by the body (0 before τ is known)
     for rt in (body, tail):
-        assert rt.head_horizon == pytest.approx(head_tau, abs=1.5)
-        assert rt.la.horizon == max(rt.la.delays.tau_hat, rt.head_horizon)
-        assert rt.status()["lookahead_horizon"] == round(rt.la.horizon, 2)
-    assert tail.la.horizon > 0 and tail.la.weights().tau_hat == tail.la.horizon
+        assert rt.la.horizon == pytest.approx(head_tau, abs=1.5)  # the EMA of the head's τ̂
+        assert rt.la.extrapolation == max(rt.la.delays.tau_hat, rt.la.horizon)
+        assert rt.status()["lookahead_horizon"] == round(rt.la.extrapolation, 2)
+    assert tail.la.horizon > 0 and tail.la.weights().tau_hat == tail.la.extrapolation == tail.la.horizon
     # a peer announcing an absurd horizon (the protocol allows up to 1024) cannot push a stage's
     # extrapolation past its max_inflight, the bound of the head's delay in 1F1B
     for _ in range(200):
