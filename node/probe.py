@@ -71,6 +71,8 @@ def format_result(r: dict) -> str:
             lines.append(f"wrong run   rejected with '{f.get('reason')}' in {f.get('rtt_ms')} ms: {f.get('detail')}")
         else:
             lines.append(f"wrong run   NOT rejected: the node answered {f.get('type')!r} to run {f.get('run')!r}")
+    if r.get("retried"):
+        lines.append(f"retried     {'; '.join(r['retried'])} (once, on a new stream)")
     if r.get("error"):
         lines.append(f"error       {r['error']}")
     lines.append("result      " + ("ok" if ok(r) else "FAILED"))

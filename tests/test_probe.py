@@ -54,7 +54,7 @@ async def test_py_libp2p_probe_talks_to_our_node(capsys):
         args = parser.parse_args([maddr, "--json", "--timeout", "20"])
         rc = await asyncio.to_thread(probe.main, args)
         r = json.loads(capsys.readouterr().out)
-        assert rc == 0 and r["ok"], r
+        assert rc == 0 and r["ok"], (r.get("error"), r)
         assert r["reachable"] and r["security"] == "/noise" and r["muxer"] == "/yamux/1.0.0"
         assert r["peer_id"] == node.peer_id and r["probe_peer_id"] != node.peer_id
         assert r["health"]["type"] == "health" and r["health"]["version"] == 1
@@ -78,3 +78,33 @@ async def test_py_libp2p_probe_talks_to_our_node(capsys):
     # the node is gone: the probe says so and exits 1
     r = await asyncio.to_thread(probe.run_probe, maddr, None, 3.0)
     assert not r["reachable"] and "connect" in r["error"] and not probe.ok(r)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_probe_retries_a_reset_stream_once_then_fails():
+    """A node whose health handler drops every stream: the probe tries a second stream, says
+    so in ``retried``, and still fails (a retry never hides a broken node)."""
+    from node import probe
+    from tests.test_p2p import assert_no_p2pd_left
+
+    node = await Transport.start()
+    resets = []
+    try:
+
+        async def reset(info, reader, writer):
+            resets.append(info.peer_id.to_base58())
+            writer.transport.abort()  # p2pd resets the libp2p stream
+
+        await node.p2p.add_binary_stream_handler(HEALTH, reset)
+        maddr = (await node.visible_maddrs())[0]
+        r = await asyncio.to_thread(probe.run_probe, maddr, None, 20.0)
+    finally:
+        await node.close()
+    assert_no_p2pd_left()
+    assert r["reachable"] and not probe.ok(r)
+    # p2pd ends the libp2p stream when our side drops; py-libp2p sees it end before any reply
+    gone = "health: NoReply: stream ended after 0 of 8 bytes"
+    assert r["error"] == gone and r["retried"] == [gone], r
+    assert resets == [r["probe_peer_id"]] * 2
+    assert f"retried     {gone} (once, on a new stream)" in probe.format_result(r)
