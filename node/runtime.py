@@ -62,7 +62,7 @@ from protocol.messages import (
     validate_fwd,
     validate_health_request,
 )
-from security.bans import BanList, ban_weight
+from security.bans import BanList, ban_weight, refusal_weight, verdict_detail
 from stages.asyncmesh import LookaheadForward, StageWeights, StepPolicy
 from stages.manifest import Manifest, manifest_hash
 from stages.model import lm_loss
@@ -259,7 +259,7 @@ class StageRuntime:
         self._reserved = 0  # fwd slots held by requests under verification
         self._tasks: set[asyncio.Task] = set()
         self._probing: set[str] = set()
-        self._downstream: dict[str, collections.deque] = {}  # next hop -> were its recent outputs refused?
+        self._downstream: dict[str, collections.deque] = {}  # next hop -> its recent outputs: refusal weight, 0 if delivered
         self._last_probe: dict[str, float] = {}
         self.banlist = BanList(flags_to_ban=manifest.sentinel.flags_to_ban, memory=max(20, manifest.sentinel.flags_to_ban),
                                base_s=self.opt.ban_flags_seconds)
@@ -412,19 +412,28 @@ class StageRuntime:
         refused never returns a gradient for us to judge, and we would keep routing work to it.
 
         Its own rule, not flags in ``banlist``: ban when the last ``flags_to_ban + 2`` outputs were
-        ALL refused. A poisoner's are (it is banned after that many microbatches); an honest
-        replica's are refused at the next stage's false-positive rate, a few percent on the test
-        model, and mixing those into the 3-of-20 rule with our own false positives on its
-        gradients banned an honest replica in a real run, while 5 refusals in a row at 5% happen
-        once in ~3 million. The last replica of a stage is never banned this way (nothing to
-        route to instead; the next stage drops what it refuses anyway)."""
+        ALL refused and those refusals weigh at least ``flags_to_ban``. A poisoner's are (it is
+        banned after that many microbatches); an honest replica's are refused at the next stage's
+        false-positive rate, a few percent, and mixing those into the 3-of-20 rule with our own
+        false positives on its gradients banned an honest replica in a real run.
+
+        Weights: the next stage's reject carries its verifier's score (``verdict_detail``) and a
+        refusal counts ``refusal_weight`` of it, the next stage's own flag weight (a score of
+        1 + ``ban_margin`` or more, a rule's rejection, or a ban there: 1; barely over the fence:
+        0.25). Honest refusals are not independent: when a replica's statistics drift they come
+        in bursts of marginal scores (six in a row at 1.08–1.14 in a clean real swarm, which
+        banned an honest replica under the unweighted rule); those no longer ban here. A replica
+        that keeps sending marginal tensors is still refused each time (nothing reaches the
+        model) and is banned by the next stage's weighted flags, whose "banned by the next
+        stage" refusals then count fully here. The last replica of a stage is never banned this
+        way (nothing to route to instead; the next stage drops what it refuses anyway)."""
         recent = self._downstream.setdefault(peer, collections.deque(maxlen=self.m.sentinel.flags_to_ban + 2))
-        recent.append(refused)
+        recent.append(refusal_weight(detail, self.m.sentinel.ban_margin) if refused else 0.0)
         if not refused:
             return
         log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
-        if len(recent) < recent.maxlen or not all(recent) or peer in self.router.banned() \
-                or self._last_replica(peer):
+        if len(recent) < recent.maxlen or not all(recent) or sum(recent) < self.m.sentinel.flags_to_ban \
+                or peer in self.router.banned() or self._last_replica(peer):
             return
         recent.clear()
         now = time.monotonic()
@@ -475,7 +484,7 @@ class StageRuntime:
             self._reserved -= 1
         if not verdict.accept:
             self.metrics.served.labels(protocol="fwd", result="rejected-by-verifier").inc()
-            return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=fwd.mb)
+            return make_reject(Reason.REJECTED_BY_VERIFIER, verdict_detail(verdict), mb=fwd.mb)
         if self.pipeline_horizon and fwd.horizon is not None:
             self._note_head_horizon(fwd.horizon)
         try:
@@ -698,7 +707,7 @@ class StageRuntime:
         if not verdict.accept:
             self.metrics.served.labels(protocol="bwd", result="rejected-by-verifier").inc()
             self._drop(bwd.mb, "grad-rejected", skip=Reason.REJECTED_BY_VERIFIER)
-            return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=bwd.mb)
+            return make_reject(Reason.REJECTED_BY_VERIFIER, verdict_detail(verdict), mb=bwd.mb)
         if bwd.mb not in self.contexts:  # dropped while we verified
             return make_reject(Reason.STALE, "microbatch dropped meanwhile", mb=bwd.mb)
         del self.contexts[bwd.mb]

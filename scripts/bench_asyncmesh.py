@@ -103,9 +103,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="what look-ahead extrapolates (default: the manifest's asyncmesh.lookahead_target)")
     p.add_argument("--other-targets", default="",
                    help="comma list of further look-ahead targets run side by side as async_lookahead_<target>")
-    p.add_argument("--pipeline-horizon", action="store_true",
-                   help="also run look-ahead with every stage extrapolating by the head's delay, asynchronously "
-                   "(async_lookahead_pipeline_horizon) and synchronously (gpipe_extrapolated)")
+    p.add_argument("--lookahead-horizon", choices=("stage", "pipeline"), default=None,
+                   help="how far each stage looks ahead: its own delay, or the head's (default: the manifest's "
+                   "asyncmesh.lookahead_horizon)")
+    p.add_argument("--other-horizon", "--pipeline-horizon", dest="other_horizon", action="store_true",
+                   help="also run look-ahead with the other horizon (async_lookahead_stage_horizon or "
+                   "async_lookahead_pipeline_horizon), and the synchronous run with every stage extrapolating "
+                   "by the head's delay (gpipe_extrapolated)")
     p.add_argument("--manifest-optim", action="store_true",
                    help="also run the pipeline modes with the manifest's own optimizer (keys *_manifest_optim)")
     p.add_argument("--flush-every", type=int, default=0, help="GPipe microbatches per flush (0: manifest's)")
@@ -179,7 +183,8 @@ def make_manifest(args):
         optim={"name": args.optim, "lr": args.lr, "betas": [args.beta1, args.beta2]},
         schedule={"total_steps": args.steps, "warmup_steps": max(1, args.steps // 20)},
         data={"batch_size": args.batch_size},
-        **({"asyncmesh": {"lookahead_target": args.lookahead_target}} if args.lookahead_target else {}),
+        asyncmesh={k: v for k, v in (("lookahead_target", args.lookahead_target),
+                                     ("lookahead_horizon", args.lookahead_horizon)) if v},
     )
 
 
@@ -201,10 +206,11 @@ def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
     """gpipe (delay 0), async_none and async_lookahead (``delays``) on ``args.seeds`` seeds:
     per mode the list of per-seed run results."""
     other = [t for t in args.other_targets.split(",") if t and t != m.asyncmesh.lookahead_target]
+    other_h = "stage" if m.asyncmesh.lookahead_horizon == "pipeline" else "pipeline"
     per_seed = {mode: [] for mode in ("gpipe", "async_none", "async_lookahead",
                                       *(f"async_lookahead_{t}" for t in other),
-                                      *(("async_lookahead_pipeline_horizon", "gpipe_extrapolated")
-                                        if args.pipeline_horizon else ()))}
+                                      *((f"async_lookahead_{other_h}_horizon", "gpipe_extrapolated")
+                                        if args.other_horizon else ()))}
     for seed in [args.seed + i for i in range(args.seeds)]:
         args_s = argparse.Namespace(**{**vars(args), "seed": seed})
         per_seed["gpipe"].append(run_pipeline(m, "gpipe", [0] * m.n_stages, corpus, val, args_s))
@@ -213,12 +219,14 @@ def pipeline_modes(m, delays: list[int], corpus, val, args) -> dict:
         for t in other:
             mt = m.replace(asyncmesh={"lookahead_target": t})
             per_seed[f"async_lookahead_{t}"].append(run_pipeline(mt, "lookahead", delays, corpus, val, args_s))
-        if args.pipeline_horizon:
-            # every stage looks ahead by the head's delay (to when the microbatch's last gradient
-            # lands), and the same extrapolation on the synchronous run: is a gain staleness
-            # correction, or the extrapolation itself (Nesterov-like) also without delays?
-            per_seed["async_lookahead_pipeline_horizon"].append(
-                run_pipeline(m, "lookahead", delays, corpus, val, args_s, horizon=float(max(delays))))
+        if args.other_horizon:
+            # the other horizon ("pipeline": every stage looks ahead by the head's delay, to when
+            # the microbatch's last gradient lands; "stage": by its own), and the head's
+            # extrapolation on the synchronous run: is a gain staleness correction, or the
+            # extrapolation itself (Nesterov-like) also without delays?
+            mh = m.replace(asyncmesh={"lookahead_horizon": other_h})
+            per_seed[f"async_lookahead_{other_h}_horizon"].append(
+                run_pipeline(mh, "lookahead", delays, corpus, val, args_s))
             per_seed["gpipe_extrapolated"].append(
                 run_pipeline(m, "lookahead", [0] * m.n_stages, corpus, val, args_s, horizon=float(max(delays))))
     return per_seed

@@ -31,6 +31,14 @@ last of which joins with ``--attack`` = the strongest attack: when its neighbour
 share of the stage's microbatches it served after the ban, whether any honest peer was banned,
 and the tail's steps and loss. Parts 1 and 2 simulate in one process; this one measures the node.
 
+Part 4, clean (``--part clean``, not in ``all``): a real loopback swarm with no attacker —
+bootstrap, head, ``--clean-replicas`` honest body replicas, tail, SENTINEL as ``--real-manifest``
+ships it — trained to ``--clean-steps`` tail steps, once per ``--clean-horizons`` value of
+``asyncmesh.lookahead_horizon``. Every rejection is a false positive and every ban a false ban:
+``clean_run`` reports them per node (with the distances that rejected) and over the swarm. Real
+replicas differ (own data, own progress, averaging only a slice), which part 1's shared-weight
+replicas cannot show.
+
 Prints one JSON object. ``--quick``: test manifest, 4 replicas with 1 malicious, short runs, and
 no real run unless ``--part real`` asks for it.
 """
@@ -90,7 +98,7 @@ def parse_args(argv=None):
                     "--pick-strongest run (val loss +4.7%% vs clean on the test model)")
     ap.add_argument("--pick-strongest", action="store_true",
                     help="part 2 first trains once per attack without SENTINEL and uses the most damaging")
-    ap.add_argument("--part", choices=("all", "both", "detection", "damage", "real"), default="all",
+    ap.add_argument("--part", choices=("all", "both", "detection", "damage", "real", "clean"), default="all",
                     help="all: detection, damage and the real run; both: detection and damage")
     ap.add_argument("--real-manifest", default="default",
                     help="run manifest of the real swarm (part 3); the test model's payloads (4 x 32 tokens) are too small for quiet statistics")
@@ -101,6 +109,12 @@ def parse_args(argv=None):
                     help="seconds watched after the ban in part 3 (under the 60-s first ban: longer, the attacker comes "
                     "back when it expires, serves a few microbatches and is banned again for 120 s)")
     ap.add_argument("--real-workdir", default="", help="keep part 3's logs here (default: a temp dir)")
+    ap.add_argument("--clean-replicas", type=int, default=2,
+                    help="--part clean: honest middle-stage replicas of a real swarm with no attacker")
+    ap.add_argument("--clean-steps", type=int, default=300, help="--part clean: tail steps per run")
+    ap.add_argument("--clean-horizons", default="",
+                    help="--part clean: comma list of asyncmesh.lookahead_horizon values, one run each "
+                    "(default: the manifest's own)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (with more, the verifier's small ops are ~20x slower "
                     "on an oversubscribed CPU: spinning OpenMP workers)")
@@ -499,6 +513,71 @@ def real_run(args) -> dict:
     return out
 
 
+VERDICTS = "swarm_node_verifier_verdicts_total"
+
+
+def clean_summary(metrics: dict[str, dict[str, float]]) -> dict:
+    """False positives of a swarm whose every peer is honest, from each node's /metrics:
+    per node the tensors judged, rejected (by distance) and peers banned; over all nodes the
+    rejected share (``fpr``) and the bans (every one a false ban)."""
+    from node.demo import metric_sum
+
+    per_node, judged, rejected, bans = {}, 0.0, 0.0, 0.0
+    for name, mt in metrics.items():
+        acc = metric_sum(mt, VERDICTS, verdict="accept")
+        rej = metric_sum(mt, VERDICTS, verdict="reject")
+        reasons: dict[str, float] = {}
+        for key, v in mt.items():
+            if key.startswith(VERDICTS + "{") and 'verdict="reject"' in key and v:
+                reason = key.split('reason="', 1)[1].split('"', 1)[0]
+                reasons[reason] = reasons.get(reason, 0.0) + v
+        b = metric_sum(mt, "swarm_node_bans_total")
+        per_node[name] = {"steps": mt.get("swarm_node_steps_total"), "judged": int(acc + rej),
+                          "rejected": int(rej), "fpr": round(rej / (acc + rej), 5) if acc + rej else None,
+                          "reject_reasons": reasons, "bans": int(b)}
+        judged, rejected, bans = judged + acc + rej, rejected + rej, bans + b
+    return {"fpr": round(rejected / judged, 5) if judged else None, "judged": int(judged),
+            "rejected": int(rejected), "false_bans": int(bans), "per_node": per_node}
+
+
+def clean_run(args, horizon: str | None) -> dict:
+    """A real loopback swarm with no attacker (bootstrap, head, ``--clean-replicas`` body
+    replicas, tail; SENTINEL as the manifest ships it) trained to ``--clean-steps`` tail steps:
+    every rejection is a false positive and every ban a false ban."""
+    import tempfile
+
+    from node.demo import LocalSwarm, write_manifest
+
+    m = load_manifest(args.real_manifest)
+    if horizon:
+        m = m.replace(asyncmesh={"lookahead_horizon": horizon})
+    workdir = Path(args.real_workdir or tempfile.mkdtemp(prefix="bench-sentinel-clean-"))
+    workdir = workdir / f"clean-{m.asyncmesh.lookahead_horizon}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = write_manifest(m, workdir / "manifest.toml")
+    t0 = time.monotonic()
+    with LocalSwarm(str(path), workdir=workdir) as sw:
+        sw.start_bootstrap()
+        nodes = [sw.start_node(0, "head"), *(sw.start_node(1, f"body{i}") for i in range(args.clean_replicas)),
+                 sw.start_node(2, "tail")]
+        sw.wait_ready(timeout=180)
+        deadline = time.monotonic() + 60 + 10 * args.clean_steps
+        while time.monotonic() < deadline and not any(n.proc.poll() is not None for n in nodes):
+            if sw.value(nodes[-1], "swarm_node_steps_total") >= args.clean_steps:
+                break
+            time.sleep(2)
+        metrics = {n.name: sw.metrics(n) for n in nodes}
+        exit_codes = sw.close()
+    out = clean_summary(metrics)
+    out["loss_ema"] = metrics["tail"].get("swarm_node_loss_ema")
+    out["settings"] = {"manifest": args.real_manifest, "lookahead_horizon": m.asyncmesh.lookahead_horizon,
+                       "replicas": args.clean_replicas, "steps": args.clean_steps,
+                       "sentinel": {"warmup": m.sentinel.warmup, "kappa": m.sentinel.kappa,
+                                    "flags_to_ban": m.sentinel.flags_to_ban},
+                       "wall_s": round(time.monotonic() - t0), "exit_codes": exit_codes, "logs": str(workdir)}
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -506,6 +585,13 @@ def main(argv=None) -> int:
     det = detection(args) if args.part in ("all", "both", "detection") else None
     dmg = damage(args) if args.part in ("all", "both", "damage") else None
     real = real_run(args) if args.part in ("all", "real") else None
+    clean = None
+    if args.part == "clean":
+        horizons = [h for h in args.clean_horizons.split(",") if h] or [None]
+        clean = {}
+        for h in horizons:
+            r = clean_run(args, h)
+            clean[r["settings"]["lookahead_horizon"]] = r
     result = {
         "attacks": det.pop("attacks") if det else None,
         "fpr": det.pop("fpr") if det else None,
@@ -513,6 +599,7 @@ def main(argv=None) -> int:
         "val_loss": {k: dmg[k] for k in ("clean", "attacked_with_sentinel", "attacked_without_sentinel")} if dmg else None,
         "val_loss_attack": dmg["attack"] if dmg else None,
         "real_run": real,
+        "clean_run": clean,
         "targets_met": {},
         "detection": det,
         "damage": dmg,

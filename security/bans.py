@@ -21,6 +21,7 @@ scores 1.02-1.17 while the attacker's scored 1.6-5.9 (docs/SENTINEL.md).
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -132,3 +133,32 @@ def flag_weight(score: float, margin: float, floor: float = 0.25) -> float:
     if margin == 0 or not math.isfinite(score) or score <= 1.0:
         return 1.0  # a rule's rejection (bad shape, replay: score <= 1), not a fence's, counts fully
     return min(1.0, max(floor, (score - 1.0) / margin))
+
+
+def verdict_detail(verdict) -> str:
+    """The detail of a reject for a verifier's refusal: its reason, and its score when a fence
+    (not a rule) refused, as ``"sentinel:swd score 1.09"``. The sender relays it upstream in its
+    skip (``output-rejected: ...``), where ``refusal_weight`` reads the score back."""
+    score = float(getattr(verdict, "score", 0.0) or 0.0)
+    reason = str(verdict.reason)
+    if score > 1.0 and math.isfinite(score):
+        return f"{reason} score {score:.3f}"
+    return reason
+
+
+def refusal_weight(detail: str, margin: float) -> float:
+    """How much a downstream refusal with ``detail`` counts toward banning the hop whose output
+    was refused: ``flag_weight`` of the score it carries (``verdict_detail``), 1 when it carries
+    none (a rule's rejection, a ban at the next stage, or a peer that does not send scores)."""
+    m = _SCORE.search(detail or "")
+    if m is None:
+        return 1.0
+    try:
+        score = float(m.group(1))
+    except ValueError:
+        return 1.0
+    return flag_weight(score, margin)
+
+
+_SCORE = re.compile(r"\bscore ([0-9]+(?:\.[0-9]*)?)\b")
+

@@ -480,7 +480,7 @@ def test_bench_quick_runs_and_prints_one_json():
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_asyncmesh.py"), "--quick",
                            "--avg-every-extra", "3", "--other-targets", "update", "--manifest-optim",
-                           "--pipeline-horizon"],
+                           "--other-horizon", "--lookahead-horizon", "pipeline"],
                           capture_output=True, text=True, timeout=85, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
@@ -488,11 +488,14 @@ def test_bench_quick_runs_and_prints_one_json():
                 "averaging_consensus_val_loss", "sparse_avg_consensus_gap_rel", "settings"):
         assert key in out
     assert set(out["val_loss"]) == {"gpipe", "async_none", "async_lookahead", "async_lookahead_update",
-                                    "async_lookahead_pipeline_horizon", "gpipe_extrapolated"}
+                                    "async_lookahead_stage_horizon", "gpipe_extrapolated"}
     # the synchronous run with the extrapolation is not the plain GPipe run
     assert out["val_loss"]["gpipe_extrapolated"] != out["val_loss"]["gpipe"]
     assert all(math.isfinite(v) for v in out["val_loss"].values())
     assert out["settings"]["lookahead_target"] == "momentum"  # the manifest's default
+    # --lookahead-horizon overrides the manifest's for the main runs; the other one runs beside
+    assert out["settings"]["lookahead_horizon"] == "pipeline"
+    assert out["val_loss"]["async_lookahead_stage_horizon"] != out["val_loss"]["async_lookahead"]
     # prediction error of Ŵ vs plain async's stash, per stage; the tail (τ = 0) has none
     for errs in out["lookahead_prediction_error_rel"].values():
         assert errs[-1] is None and all(0 < e < 10 for e in errs[:-1])

@@ -394,3 +394,27 @@ def test_bench_quick_runs_and_reports_every_attack():
     assert 0 <= result["fpr"] <= 1 and result["overhead_frac"] > 0
     assert set(result["val_loss"]) == {"clean", "attacked_with_sentinel", "attacked_without_sentinel"}
     assert time.perf_counter() - t0 < 110
+
+
+def test_bench_clean_summary_counts_false_positives_per_node():
+    """``--part clean`` (a real swarm with no attacker) reports every rejection as a false
+    positive and every ban as a false ban, per node and over the swarm, from /metrics samples."""
+    from tests.conftest import load_script
+
+    bench = load_script("bench_sentinel")
+    v = bench.VERDICTS
+    metrics = {
+        "tail": {f'{v}{{direction="act",verdict="accept",reason="ok"}}': 97.0,
+                 f'{v}{{direction="act",verdict="reject",reason="sentinel:swd"}}': 2.0,
+                 f'{v}{{direction="act",verdict="reject",reason="sentinel:tok"}}': 1.0,
+                 'swarm_node_bans_total{cause="verifier"}': 1.0, "swarm_node_steps_total": 300.0},
+        "head": {f'{v}{{direction="grad",verdict="accept",reason="ok"}}': 100.0,
+                 'swarm_node_bans_total{cause="verifier-downstream"}': 0.0},
+        "body0": {},  # a node that answered no /metrics scrape judged nothing
+    }
+    out = bench.clean_summary(metrics)
+    assert out["judged"] == 200 and out["rejected"] == 3 and out["fpr"] == 0.015 and out["false_bans"] == 1
+    tail = out["per_node"]["tail"]
+    assert tail == {"steps": 300.0, "judged": 100, "rejected": 3, "fpr": 0.03,
+                    "reject_reasons": {"sentinel:swd": 2.0, "sentinel:tok": 1.0}, "bans": 1}
+    assert out["per_node"]["head"]["fpr"] == 0.0 and out["per_node"]["body0"]["fpr"] is None

@@ -173,6 +173,38 @@ async def test_scattered_refusals_of_an_honest_replica_never_ban_it(test_manifes
     head._verify_pool.shutdown()
 
 
+def test_marginal_refusals_in_a_row_do_not_ban_but_clear_ones_do(test_manifest):
+    """The next stage's reject carries its verifier's score; a burst of barely-over-the-fence
+    refusals (an honest replica whose statistics drift) weighs 0.25 each and bans no one, while
+    clear refusals, rule rejections and refusals for a ban at the next stage count fully."""
+    from security.bans import verdict_detail
+    from security.verifier import Verdict
+
+    net = Net()
+    head = make_runtime(test_manifest, 0, "head", net, batches=head_batches(test_manifest))
+    b1, b2, b3 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2", "b3"))
+    link([head, b1, b2, b3])
+    n = test_manifest.sentinel.flags_to_ban + 2
+    marginal = "output-rejected: " + verdict_detail(Verdict(False, "sentinel:swd", score=1.1))
+    clear = "output-rejected: " + verdict_detail(Verdict(False, "sentinel:swd", score=1.7))
+    assert marginal == "output-rejected: sentinel:swd score 1.100"
+    for _ in range(4 * n):
+        head._downstream_outcome("b1", True, marginal)
+    assert not head.router.banned()
+    # the next stage then bans b1 itself (its own weighted flags); those refusals count fully
+    for i in range(n):
+        head._downstream_outcome("b1", True, "output-rejected: banned by the next stage")
+        if head.router.is_banned("b1"):
+            break
+    assert head.router.is_banned("b1") and i == 2  # 0.25 + 0.25 + 1 + 1 + 1 >= 3
+    for _ in range(n - 1):
+        head._downstream_outcome("b2", True, clear)
+    assert not head.router.is_banned("b2")
+    head._downstream_outcome("b2", True, clear)
+    assert head.router.is_banned("b2")
+    head._verify_pool.shutdown()
+
+
 def test_attacks_are_one_instance_per_direction():
     from node.daemon import make_attacks
 
@@ -201,3 +233,18 @@ def test_the_verifier_thread_has_its_own_torch_thread_count():
         assert pool.submit(lambda: (torch.randn(64, 64).sort(), torch.get_num_threads())[1]).result() == 1
     finally:
         pool.shutdown()
+
+
+def test_refusal_weight_reads_the_score_of_a_relayed_reject():
+    from security.bans import refusal_weight, verdict_detail
+    from security.verifier import Verdict
+
+    assert verdict_detail(Verdict(False, "nan")) == "nan"  # a rule's rejection carries no score
+    assert verdict_detail(Verdict(False, "sentinel:tok", score=float("inf"))) == "sentinel:tok"
+    assert refusal_weight("output-rejected: sentinel:tok score 1.050", 0.5) == 0.25
+    assert refusal_weight("output-rejected: sentinel:tok score 1.300", 0.5) == pytest.approx(0.6)
+    assert refusal_weight("output-rejected: sentinel:l1 score 4.2", 0.5) == 1.0
+    assert refusal_weight("output-rejected: sentinel:l1 score 1.1", 0.0) == 1.0  # ban_margin 0: unweighted
+    for detail in ("output-rejected: nan", "output-rejected: banned by the next stage", "", "scores 1.1",
+                   "score x"):
+        assert refusal_weight(detail, 0.5) == 1.0
