@@ -113,8 +113,8 @@ def parse_args(argv=None):
                     help="--part clean: honest middle-stage replicas of a real swarm with no attacker")
     ap.add_argument("--clean-steps", type=int, default=300, help="--part clean: tail steps per run")
     ap.add_argument("--clean-horizons", default="",
-                    help="--part clean: comma list of asyncmesh.lookahead_horizon values, one run each "
-                    "(default: the manifest's own)")
+                    help="--part clean: comma list of asyncmesh.lookahead_horizon values, one run each, "
+                    "a repeated value another run (keys pipeline, pipeline#2, ...; default: the manifest's own)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (with more, the verifier's small ops are ~20x slower "
                     "on an oversubscribed CPU: spinning OpenMP workers)")
@@ -540,7 +540,7 @@ def clean_summary(metrics: dict[str, dict[str, float]]) -> dict:
             "rejected": int(rejected), "false_bans": int(bans), "per_node": per_node}
 
 
-def clean_run(args, horizon: str | None) -> dict:
+def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     """A real loopback swarm with no attacker (bootstrap, head, ``--clean-replicas`` body
     replicas, tail; SENTINEL as the manifest ships it) trained to ``--clean-steps`` tail steps:
     every rejection is a false positive and every ban a false ban."""
@@ -552,7 +552,7 @@ def clean_run(args, horizon: str | None) -> dict:
     if horizon:
         m = m.replace(asyncmesh={"lookahead_horizon": horizon})
     workdir = Path(args.real_workdir or tempfile.mkdtemp(prefix="bench-sentinel-clean-"))
-    workdir = workdir / f"clean-{m.asyncmesh.lookahead_horizon}"
+    workdir = workdir / f"clean-{m.asyncmesh.lookahead_horizon}{tag}"
     workdir.mkdir(parents=True, exist_ok=True)
     path = write_manifest(m, workdir / "manifest.toml")
     t0 = time.monotonic()
@@ -589,9 +589,11 @@ def main(argv=None) -> int:
     if args.part == "clean":
         horizons = [h for h in args.clean_horizons.split(",") if h] or [None]
         clean = {}
-        for h in horizons:
-            r = clean_run(args, h)
-            clean[r["settings"]["lookahead_horizon"]] = r
+        for h in horizons:  # a horizon named again is another run: keys "pipeline", "pipeline#2", ...
+            key = h or load_manifest(args.real_manifest).asyncmesh.lookahead_horizon
+            tag = "" if key not in clean else f"#{sum(1 for k in clean if k.split('#')[0] == key) + 1}"
+            r = clean_run(args, h, tag.replace("#", "-"))
+            clean[key + tag] = r
     result = {
         "attacks": det.pop("attacks") if det else None,
         "fpr": det.pop("fpr") if det else None,

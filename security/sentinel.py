@@ -35,8 +35,9 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    token vectors of a batch, so a replay under new ids, a shuffle, or noise with the honest
    mean and covariance matches the reference exactly while destroying the content. A third,
    ``tokc`` (``Sentinel._tokc``), averages a sender's ``tok`` over its own last few tensors
-   and compares it with the median of the other senders' averages: persistent half-noise that
-   single tensors hide inside the ``tok`` fence adds up; a drift all senders share cancels.
+   and compares it with the median of the other senders' averages (at least two of them):
+   persistent half-noise that single tensors hide inside the ``tok`` fence adds up; a drift all
+   senders share cancels.
 4. Verdict. Each distance is divided by its fence, a Tukey fence Q3 + κ·max(IQR, 0.1·median)
    over recent distances of *accepted* tensors (per sender, median over senders: ``Sentinel``);
    score = the largest ratio; reject when > 1 and name the distance (``sentinel:tok``...).
@@ -588,11 +589,19 @@ class Sentinel:
         above the median of the voters' averages. A persistent small shift that single tensors
         hide inside the ``tok`` fence (norm-matched noise on gradients) adds up in the average;
         a drift every honest sender shares moves the median with it, so it is not flagged and
-        cannot trip shift mode. A newcomer's average starts from the voters' median."""
+        cannot trip shift mode. A newcomer's average starts from the voters' median.
+
+        Only against at least two other voters: with one, the "median" is that one sender, and
+        of two replicas that differ neither can be told to be the odd one. Two honest replicas
+        always differ (own data, own progress, averaging only a slice), and the one with fewer
+        steps has the higher ``tok`` (the token table follows the busier one's traffic): in
+        clean real swarms of two body replicas, ``tokc`` (1.1–1.7) banned the slower honest one
+        in two of four runs. So with two replicas of a stage it is not judged (as ``_shifted``
+        needs a majority); the single-tensor distances, ``tok`` included, still are."""
         p = self.params
         rec = state.senders.get(sender)
         others = [r.tok_ema for r in self._voters(state) if r.tok_ema is not None and r is not rec]
-        med = statistics.median(others) if others else None
+        med = statistics.median(others) if len(others) >= 2 else None
         prev = rec.tok_ema if rec is not None and rec.tok_ema is not None else med
         ema = tok if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * tok
         return (0.0 if med is None else max(0.0, ema - med)), ema

@@ -334,6 +334,28 @@ def test_persistent_noise_is_caught_by_the_cumulative_tok_distance(direction):
     assert honest_rejected <= 4
 
 
+def test_cumulative_tok_needs_two_other_voters():
+    """Of two senders that differ persistently, neither is the odd one: tokc stays 0 for both
+    (with a third sender it flags the noisy one, as above); the single-tensor distances still
+    judge every tensor."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, direction="grad", senders=("a", "m"), seed=31, noise=1.5)
+    g = torch.Generator().manual_seed(5)
+
+    def half_noise(x):
+        n = x + 0.7 * x.std() * torch.randn(x.shape, generator=g)
+        return n * (x.norm(dim=-1, keepdim=True) / n.norm(dim=-1, keepdim=True))
+
+    tokc, tok, reasons = [], [], []
+    for t, (ids, x) in enumerate(stream(60, direction="grad", seed=32, noise=1.5)):
+        j = sen.judge("am"[t % 2], "grad", half_noise(x) if t % 2 else x, ids)
+        tokc.append(j.distances.get("tokc"))
+        tok.append(j.distances.get("tok"))
+        reasons.append(j.reason)
+    assert set(tokc) == {0.0} and "sentinel:tokc" not in reasons
+    assert all(v is not None and v > 0 for v in tok)  # the single-tensor tok is still measured
+
+
 def test_replay_is_rejected_and_retransmission_is_not():
     sen = Sentinel(SentinelParams(warmup=4))
     data = list(stream(20, seed=13))
