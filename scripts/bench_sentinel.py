@@ -46,6 +46,7 @@ no real run unless ``--part real`` asks for it.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import statistics
@@ -588,12 +589,13 @@ def main(argv=None) -> int:
     clean = None
     if args.part == "clean":
         horizons = [h for h in args.clean_horizons.split(",") if h] or [None]
-        clean = {}
+        shipped = load_manifest(args.real_manifest).asyncmesh.lookahead_horizon
+        clean, runs = {}, collections.Counter()
         for h in horizons:  # a horizon named again is another run: keys "pipeline", "pipeline#2", ...
-            key = h or load_manifest(args.real_manifest).asyncmesh.lookahead_horizon
-            tag = "" if key not in clean else f"#{sum(1 for k in clean if k.split('#')[0] == key) + 1}"
-            r = clean_run(args, h, tag.replace("#", "-"))
-            clean[key + tag] = r
+            key = h or shipped
+            runs[key] += 1
+            n = runs[key]
+            clean[key if n == 1 else f"{key}#{n}"] = clean_run(args, h, "" if n == 1 else f"-{n}")
     result = {
         "attacks": det.pop("attacks") if det else None,
         "fpr": det.pop("fpr") if det else None,

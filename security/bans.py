@@ -151,13 +151,7 @@ def refusal_weight(detail: str, margin: float) -> float:
     was refused: ``flag_weight`` of the score it carries (``verdict_detail``), 1 when it carries
     none (a rule's rejection, a ban at the next stage, or a peer that does not send scores)."""
     m = _SCORE.search(detail or "")
-    if m is None:
-        return 1.0
-    try:
-        score = float(m.group(1))
-    except ValueError:
-        return 1.0
-    return flag_weight(score, margin)
+    return 1.0 if m is None else flag_weight(float(m.group(1)), margin)
 
 
 _SCORE = re.compile(r"\bscore ([0-9]+(?:\.[0-9]*)?)\b")
