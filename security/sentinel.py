@@ -448,10 +448,27 @@ class Sentinel:
         established = [rec for rec in active if rec.seen - rec.rejected >= self.params.sender_min]
         return established or active
 
-    def _reference(self, state: _Direction) -> Stats | None:
+    def _reference(self, state: _Direction, sender: str | None = None) -> Stats | None:
         """Coordinate-wise median of the EMAs of the voting senders (``_voters``: active in the
         last ``window`` tensors and established): what the majority of the replicas sends,
-        whatever a minority does."""
+        whatever a minority does.
+
+        With fewer than three voters there is no majority, and an established voter is judged
+        against its *own* EMA (``sender`` given; the paper's per-sender reference). The median
+        of two is one of them per coordinate (the lower middle): a replica was judged against the
+        other wherever the other's statistic was lower, so of two honest replicas whose outputs
+        drift apart (own data, own step count, averaging only a slice) the one that moved up
+        was flagged (tests/test_sentinel.py: 83 of 100 tensors of a replica drifting by 0.3% per
+        tensor). A newcomer is still judged against the voters (it has no history to trust yet),
+        so one cannot join a stage of one or two replicas with garbage. What two replicas cannot
+        tell is which of them drifted (as with ``tokc``), so an established replica that changes
+        slowly is followed and one that jumps is rejected until its EMA catches up."""
+        if sender is not None:
+            voters = self._voters(state)
+            if len(voters) < 3:
+                rec = state.senders.get(sender)
+                if rec is not None and any(v is rec for v in voters):
+                    return rec.ema
         if state.ref_version != state.seen:
             active = self._voters(state)
             state.ref = median_stats([rec.ema for rec in active]) if active else None
@@ -550,7 +567,7 @@ class Sentinel:
         k = x.shape[-1]
         Xn, log_scale = normalize(x.detach().float().reshape(-1, k), direction == "grad", p.clip)
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
-        ref = self._reference(state)
+        ref = self._reference(state, sender)
         d = distances(s, ref) if ref is not None else {}
         tX = tkeys = tok_ema = None
         if ids is not None:
