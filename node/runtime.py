@@ -63,7 +63,7 @@ from protocol.messages import (
     validate_health_request,
 )
 from security.bans import BanList, ban_weight, refusal_weight, verdict_detail
-from stages.asyncmesh import LookaheadForward, StageWeights, StepPolicy
+from stages.asyncmesh import LookaheadForward, StageWeights, StepClock, StepPolicy
 from stages.manifest import Manifest, manifest_hash
 from stages.model import lm_loss
 from stages.optim import lr_at, set_lr
@@ -174,7 +174,7 @@ class Context:
     created: float = field(default_factory=time.monotonic)
     next_peer: str | None = None
     sent_at: float = 0.0
-    horizon: float | None = None  # the head's look-ahead horizon this microbatch came with (pipeline horizon)
+    horizon_s: float | None = None  # the head's look-ahead horizon (seconds) this microbatch came with
 
     @property
     def tokens(self) -> int:
@@ -241,12 +241,17 @@ class StageRuntime:
         self.la = LookaheadForward(stage, optimizer, mode=manifest.asyncmesh.mode,
                                    delay_ema=manifest.asyncmesh.delay_ema,
                                    target=manifest.asyncmesh.lookahead_target)
-        # asyncmesh.lookahead_horizon = "pipeline": the head sends its τ̂ with every fwd, the other
-        # stages pass it on and keep an EMA of it as the floor of their extrapolation (la.horizon)
+        # asyncmesh.lookahead_horizon = "pipeline": the head sends its τ̂ with every fwd, in seconds
+        # (τ̂ × its step period), the other stages pass it on and keep an EMA of it; divided by
+        # their own step period it is the floor of their extrapolation in their own steps
+        # (la.horizon). A body replica that gets half of the microbatches steps half as often.
         self.pipeline_horizon = (manifest.asyncmesh.mode == "lookahead"
                                  and manifest.asyncmesh.lookahead_horizon == "pipeline")
-        # a received horizon is clamped here: in 1F1B the head's delay stays below the number of
-        # microbatches it keeps in flight, so a peer cannot push this stage's extrapolation further
+        self.clock = StepClock(manifest.asyncmesh.delay_ema)
+        self.horizon_s: float | None = None  # EMA of the received horizons (seconds)
+        # the horizon in own steps is clamped here: in 1F1B the head's delay stays below the
+        # number of microbatches it keeps in flight, so a peer cannot push this stage's
+        # extrapolation further
         self.max_horizon = float(max_inflight)
         self.policy = StepPolicy(manifest.asyncmesh.mode, manifest.asyncmesh.gpipe_flush_every,
                                  max_inflight, manifest.train.grad_accum)
@@ -485,8 +490,8 @@ class StageRuntime:
         if not verdict.accept:
             self.metrics.served.labels(protocol="fwd", result="rejected-by-verifier").inc()
             return make_reject(Reason.REJECTED_BY_VERIFIER, verdict_detail(verdict), mb=fwd.mb)
-        if self.pipeline_horizon and fwd.horizon is not None:
-            self._note_head_horizon(fwd.horizon)
+        if self.pipeline_horizon and fwd.horizon_s is not None:
+            self._note_head_horizon(fwd.horizon_s)
         try:
             fut = self.worker.submit("fwd", self._compute_fwd, fwd)
         except QueueFull:
@@ -498,13 +503,28 @@ class StageRuntime:
         self._update_queue_gauges()
         return make_ack(fwd.mb, self.index, self.version, queue=self.worker.depth("fwd"))
 
-    def _note_head_horizon(self, h: float) -> None:
-        """The head's τ̂ arrived with a fwd: its EMA becomes the floor of this stage's extrapolation
-        from the next optimizer version on (validated by the protocol: finite, 0..MAX_HORIZON;
-        clamped here at this node's max_inflight)."""
-        h = min(h, self.max_horizon)
-        ema, prev = self.la.delays.ema, self.la.horizon
-        self.la.horizon = h if prev is None else ema * prev + (1 - ema) * h
+    def _note_head_horizon(self, h_s: float) -> None:
+        """The head's horizon (seconds; validated by the protocol: finite, 0..MAX_HORIZON_S)
+        arrived with a fwd: fold it into the EMA and refresh the floor of the extrapolation."""
+        ema = self.la.delays.ema
+        self.horizon_s = h_s if self.horizon_s is None else ema * self.horizon_s + (1 - ema) * h_s
+        self._refresh_horizon()
+
+    def _refresh_horizon(self) -> None:
+        """la.horizon = the received horizon in this stage's own steps (the head's seconds over
+        this stage's step period), at most ``max_horizon``; None until both are known. Used from
+        the next optimizer version on (look-ahead weights are computed once per version)."""
+        if self.is_head or self.horizon_s is None:
+            return
+        steps = self.clock.steps_in(self.horizon_s)
+        self.la.horizon = None if steps is None else min(steps, self.max_horizon)
+
+    def _horizon_to_send(self, ctx: Context) -> float | None:
+        """What a fwd carries in ``horizon_s``: the head's τ̂ × its step period; others pass on
+        what their microbatch came with."""
+        if not self.is_head:
+            return ctx.horizon_s
+        return None if self.clock.period is None else self.la.delays.tau_hat * self.clock.period
 
     def _autocast(self):
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.opt.use_amp)
@@ -549,7 +569,7 @@ class StageRuntime:
             return
         code, x, ids, w, version = result
         ctx = Context(fwd.mb, fwd.route + (self.peer_id,), x, ids, fwd.ids.to(torch.int32), w, version,
-                      horizon=fwd.horizon)
+                      horizon_s=fwd.horizon_s)
         self.contexts[fwd.mb] = ctx
         await self._send_fwd(ctx, code)
 
@@ -561,9 +581,9 @@ class StageRuntime:
             code = self.attacks["act"](code, self.version).contiguous()
         extra = {}
         if self.pipeline_horizon:
-            h = self.la.delays.tau_hat if self.is_head else ctx.horizon
+            h = self._horizon_to_send(ctx)
             if h is not None:
-                extra["horizon"] = round(float(h), 3)
+                extra["horizon_s"] = round(float(h), 6)
         frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version, ctx.route, code, ctx.ids_wire,
                           **extra)
         deadline = time.monotonic() + self.opt.forward_deadline
@@ -797,6 +817,9 @@ class StageRuntime:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.la.stepped()
+        self.clock.tick(time.monotonic())
+        if self.pipeline_horizon:
+            self._refresh_horizon()
         self._accum = 0
         v = self.la.version
         if self.arch is not None:

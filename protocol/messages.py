@@ -36,7 +36,7 @@ Buffers = list  # list[bytes | memoryview], ready for writer.writelines
 MAX_ID_LEN = 128  # run ids, manifest hashes, peer ids, codec names
 MAX_ROUTE = 64  # peers in a route (one per stage)
 MAX_DETAIL = 1024  # characters of a reject's human-readable detail
-MAX_HORIZON = 1024.0  # optimizer steps: a fwd's optional look-ahead horizon (asyncmesh pipeline horizon)
+MAX_HORIZON_S = 3600.0  # seconds: a fwd's optional look-ahead horizon (asyncmesh pipeline horizon)
 MAX_U64 = 2**64 - 1
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
@@ -423,7 +423,7 @@ class Fwd:
     c: torch.Tensor
     ids: torch.Tensor
     header: Mapping = field(repr=False, default_factory=dict)
-    horizon: float | None = None  # optional: the head's look-ahead horizon, passed down the pipeline
+    horizon_s: float | None = None  # optional: the head's look-ahead horizon in seconds, passed down the pipeline
 
 
 @dataclass(frozen=True)
@@ -500,12 +500,12 @@ def validate_fwd(frame: Frame, expect: Expect, sender: str | None = None) -> Fwd
         raise _bad(f"fwd route has {len(route)} peers; a fwd from stage {stage} lists {stage + 1}")
     if sender is not None and route[-1] != sender:
         raise _bad(f"route ends with {route[-1]!r} but the frame came from {sender!r}")
-    horizon = h.get("horizon")
+    horizon = h.get("horizon_s")
     if horizon is not None and (
         not isinstance(horizon, (int, float)) or isinstance(horizon, bool)
-        or not math.isfinite(horizon) or not 0 <= horizon <= MAX_HORIZON
+        or not math.isfinite(horizon) or not 0 <= horizon <= MAX_HORIZON_S
     ):
-        raise _bad(f"fwd field 'horizon' is {_short(horizon)}; need a number in 0..{MAX_HORIZON:g} (optimizer steps)")
+        raise _bad(f"fwd field 'horizon_s' is {_short(horizon)}; need a number in 0..{MAX_HORIZON_S:g} (seconds)")
     check_tensors(frame.tensors, expect.tensors, expect.dims)
     check_finite(frame.tensors)
     return Fwd(mb, stage, version, route, codec, sent_ms, frame.tensors["c"], frame.tensors["ids"], h,

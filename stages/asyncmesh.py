@@ -72,6 +72,52 @@ class DelayTracker:
         return tau
 
 
+class StepClock:
+    """EMA of the wall time between this stage's optimizer steps (its step period), so that a
+    look-ahead horizon can travel in seconds and be used in each stage's own steps.
+
+    The pipeline horizon is the head's τ̂, a count of the head's optimizer steps. A body replica
+    that gets half of the microbatches steps half as often, and one that gets a fifth, a fifth
+    as often: looking ahead by the head's count of its *own* steps, it extrapolated two or five
+    times as far into the future as the head, and its output swung from version to version (in
+    clean real swarms of two body replicas, output scale jumps of 20–60% on the replica that got
+    fewer microbatches, flagged by SENTINEL and banned; docs/ASYNCMESH.md). So the head sends
+    τ̂ × its period (seconds) and every stage divides by its own period (``steps_in``). With one
+    replica per stage every stage steps once per microbatch and nothing changes.
+
+    Intervals are passed in (``tick(now)``), so this stays free of clocks and I/O. One interval
+    longer than ``max_ratio`` × the current estimate (a pause: no traffic, a ban) counts as
+    ``max_ratio`` × it: a real slow-down is still learned within a few steps, one pause does not
+    stop the stage from looking ahead for the next ten.
+    """
+
+    def __init__(self, ema: float = 0.9, max_ratio: float = 4.0):
+        if not 0 <= ema < 1:
+            raise ValueError(f"step clock EMA must be in [0, 1), got {ema}")
+        if max_ratio < 1:
+            raise ValueError(f"step clock max_ratio must be >= 1, got {max_ratio}")
+        self.ema, self.max_ratio = ema, max_ratio
+        self.period: float | None = None  # seconds per optimizer step; None before two ticks
+        self._last: float | None = None
+
+    def tick(self, now: float) -> None:
+        """Call once per optimizer step with a monotonic time in seconds."""
+        if self._last is not None:
+            dt = max(0.0, now - self._last)
+            if self.period is None:
+                self.period = dt
+            else:
+                dt = min(dt, self.max_ratio * self.period) if self.period > 0 else dt
+                self.period = self.ema * self.period + (1 - self.ema) * dt
+        self._last = now
+
+    def steps_in(self, seconds: float) -> float | None:
+        """How many of this stage's steps fit in ``seconds`` (None before the period is known)."""
+        if self.period is None or self.period <= 0:
+            return None
+        return seconds / self.period
+
+
 # --------------------------------------------------------------------------- look-ahead
 
 

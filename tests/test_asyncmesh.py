@@ -17,6 +17,7 @@ from stages.asyncmesh import (
     LookaheadForward,
     PartitionSchedule,
     StalenessCorrection,
+    StepClock,
     StepPolicy,
     apply_average_delta,
     first_moments,
@@ -210,6 +211,26 @@ def test_lookahead_params_momentum_target():
     hook = WithHook(lin.parameters(), lr=0.5, momentum=0.9)
     torch.testing.assert_close(lookahead_params(lin, hook, 3.0, target="momentum")["weight"],
                                lin.weight - 3.0 * 0.5 * 2.0)
+
+
+def test_step_clock_measures_the_step_period_and_converts_seconds_to_steps():
+    clock = StepClock(ema=0.5, max_ratio=4.0)
+    assert clock.period is None and clock.steps_in(10.0) is None
+    clock.tick(100.0)
+    assert clock.period is None  # one tick is no interval
+    clock.tick(102.0)
+    assert clock.period == 2.0 and clock.steps_in(10.0) == 5.0
+    clock.tick(103.0)
+    assert clock.period == 0.5 * 2.0 + 0.5 * 1.0
+    # a pause (no traffic, a ban) counts as at most max_ratio × the current period
+    clock.tick(1103.0)
+    assert clock.period == 0.5 * 1.5 + 0.5 * (4.0 * 1.5)
+    clock.tick(1103.0)  # two steps at the same instant: an interval of 0
+    assert clock.period == 0.5 * 3.75
+    with pytest.raises(ValueError, match="EMA"):
+        StepClock(ema=1.0)
+    with pytest.raises(ValueError, match="max_ratio"):
+        StepClock(max_ratio=0.5)
 
 
 def test_horizon_is_a_floor_under_the_measured_delay():

@@ -99,9 +99,9 @@ def test_fwd_round_trip_and_zero_copy_alignment():
 
 
 def test_fwd_optional_horizon():
-    assert validate_fwd(fwd(), expect_fwd(), sender="peerB").horizon is None
-    assert validate_fwd(fwd(horizon=4.25), expect_fwd(), sender="peerB").horizon == 4.25
-    assert validate_fwd(fwd(horizon=3), expect_fwd(), sender="peerB").horizon == 3.0
+    assert validate_fwd(fwd(), expect_fwd(), sender="peerB").horizon_s is None
+    assert validate_fwd(fwd(horizon_s=4.25), expect_fwd(), sender="peerB").horizon_s == 4.25
+    assert validate_fwd(fwd(horizon_s=3), expect_fwd(), sender="peerB").horizon_s == 3.0
 
 
 def test_bwd_round_trip_and_skip():
@@ -149,11 +149,11 @@ def test_bwd_round_trip_and_skip():
         (dict(c=torch.randn(0, 5, K), ids=torch.zeros(0, 5, dtype=torch.long)), {}, None, Reason.BAD_FRAME,
          ">= 1"),
         (dict(c=torch.full((2, 5, K), float("nan"))), {}, None, Reason.BAD_FRAME, "non-finite"),
-        (dict(horizon="far"), {}, None, Reason.BAD_FRAME, "'horizon'"),
-        (dict(horizon=-1.0), {}, None, Reason.BAD_FRAME, "'horizon'"),
-        (dict(horizon=float("inf")), {}, None, Reason.BAD_FRAME, "'horizon'"),
-        (dict(horizon=1e9), {}, None, Reason.BAD_FRAME, "'horizon'"),
-        (dict(horizon=True), {}, None, Reason.BAD_FRAME, "'horizon'"),
+        (dict(horizon_s="far"), {}, None, Reason.BAD_FRAME, "'horizon_s'"),
+        (dict(horizon_s=-1.0), {}, None, Reason.BAD_FRAME, "'horizon_s'"),
+        (dict(horizon_s=float("inf")), {}, None, Reason.BAD_FRAME, "'horizon_s'"),
+        (dict(horizon_s=1e9), {}, None, Reason.BAD_FRAME, "'horizon_s'"),
+        (dict(horizon_s=True), {}, None, Reason.BAD_FRAME, "'horizon_s'"),
     ],
 )
 def test_fwd_refusals(frame_kw, expect_kw, sender, reason, needle):

@@ -635,9 +635,10 @@ async def test_architecture_warmup_unlocks_each_stages_blocks_on_the_shared_sche
 @pytest.mark.asyncio
 @pytest.mark.parametrize("horizon", ["stage", "pipeline"])
 async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(test_manifest, horizon):
-    """asyncmesh.lookahead_horizon = "pipeline": the head's τ̂ rides in every fwd, the body passes it
-    on, and body and tail extrapolate by max(own τ̂, that horizon); with "stage" (the default) no
-    fwd carries one and every stage uses its own τ̂ (the tail's is 0: it does not look ahead)."""
+    """asyncmesh.lookahead_horizon = "pipeline": the head's τ̂ rides in every fwd as seconds (τ̂ ×
+    its step period), the body passes it on, and body and tail extrapolate by max(own τ̂, that
+    horizon in their own steps); with "stage" (the default) no fwd carries one and every stage
+    uses its own τ̂ (the tail's is 0: it does not look ahead)."""
     m = test_manifest.replace(schedule={"warmup_steps": 2}, asyncmesh={"lookahead_horizon": horizon})
     net = Net()
     head = make_runtime(m, 0, "head", net, batches=head_batches(m), steps=40)
@@ -649,7 +650,7 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
 
     async def spy(peer, protocol, frames, *a, **kw):  # the body's outgoing fwds
         if protocol == FWD:
-            sent.append(_frame_of(_buffers(frames)).header.get("horizon"))
+            sent.append(_frame_of(_buffers(frames)).header.get("horizon_s"))
         return await orig(peer, protocol, frames, *a, **kw)
 
     body.transport.request = spy
@@ -660,14 +661,44 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
         assert body.la.horizon is None and tail.la.horizon is None and set(sent) == {None}
         assert tail.la.weights().tau_hat == 0
         return
-    assert sent and all(h is not None for h in sent) and sent[-1] > 0  # passed on by the body (0 before τ is known)
+    # passed on by the body; the first microbatches left the head before its step period was
+    # known (two steps: up to max_inflight + 1 microbatches)
+    first = next(i for i, h in enumerate(sent) if h is not None)
+    assert first <= m.train.max_inflight + 1 and all(h is not None for h in sent[first:]) and sent[-1] > 0
     for rt in (body, tail):
-        assert rt.la.horizon == pytest.approx(head_tau, abs=1.5)  # the EMA of the head's τ̂
+        # the EMA of the head's seconds over this stage's own step period; one replica per
+        # stage, so every stage steps once per microbatch and that is about the head's τ̂
+        assert rt.la.horizon == pytest.approx(min(rt.horizon_s / rt.clock.period, rt.max_horizon))
+        assert rt.la.horizon == pytest.approx(head_tau, abs=1.5)
         assert rt.la.extrapolation == max(rt.la.delays.tau_hat, rt.la.horizon)
         assert rt.status()["lookahead_horizon"] == round(rt.la.extrapolation, 2)
     assert tail.la.horizon > 0 and tail.la.weights().tau_hat == tail.la.extrapolation == tail.la.horizon
-    # a peer announcing an absurd horizon (the protocol allows up to 1024) cannot push a stage's
-    # extrapolation past its max_inflight, the bound of the head's delay in 1F1B
+    # a peer announcing an absurd horizon (the protocol allows up to an hour) cannot push a
+    # stage's extrapolation past its max_inflight, the bound of the head's delay in 1F1B
     for _ in range(200):
-        body._note_head_horizon(1000.0)
+        body._note_head_horizon(3600.0)
     assert body.la.horizon <= body.max_horizon == m.train.max_inflight
+
+
+def test_pipeline_horizon_is_counted_in_own_steps(test_manifest):
+    """A body replica that gets a third of the microbatches steps a third as often: the head's
+    horizon (τ̂ = 3 head steps, 1 s per step) is 1 of its own steps, not 3 (looking 3 of its own
+    steps ahead went three times as far into the future as the head, and its output swung)."""
+    m = test_manifest.replace(asyncmesh={"lookahead_horizon": "pipeline"})
+    net = Net()
+    head = make_runtime(m, 0, "head", net)
+    body = make_runtime(m, 1, "body", net)
+    head.la.delays.tau_hat = 3.0
+    for t in range(5):
+        head.clock.tick(float(t))  # one step a second
+        body.clock.tick(3.0 * t)  # one step every three seconds
+    ctx = type("Ctx", (), {"horizon_s": None})()
+    h_s = head._horizon_to_send(ctx)
+    assert h_s == pytest.approx(3.0)
+    assert body.la.horizon is None  # nothing received yet
+    body._note_head_horizon(h_s)
+    assert body.la.horizon == pytest.approx(1.0)
+    assert body._horizon_to_send(type("Ctx", (), {"horizon_s": h_s})()) == h_s  # passed on unchanged
+    body.clock.tick(12.0 + 1.5)  # the body speeds up: a step 1.5 s after the last one
+    body._refresh_horizon()
+    assert body.la.horizon == pytest.approx(3.0 / (0.9 * 3.0 + 0.1 * 1.5))
