@@ -194,6 +194,9 @@ class RuntimeOptions:
     use_amp: bool = False
     ban_flags_seconds: float = 60.0  # first ban for verifier flags (doubles per repeat ban)
     verify_threads: int = 1  # torch intra-op threads of the verifier's thread (the compute worker keeps its own)
+    # after a neighbour answers "banned": fetch another replica's weights this often (seconds) until
+    # our traffic is accepted again, so we do not come back with weights a whole ban old (0: off)
+    resync_every: float = 10.0
 
 
 class StageRuntime:
@@ -283,6 +286,9 @@ class StageRuntime:
         self.rtts: collections.deque = collections.deque(maxlen=2048)
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        self._banned_at: float | None = None  # when a neighbour last answered "banned"
+        self._last_accepted = 0.0  # when a neighbour last accepted a fwd or a gradient of ours
+        self._resync_task: asyncio.Task | None = None
         self.worker: ComputeWorker | None = None
         self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
         self._started = time.monotonic()
@@ -623,6 +629,8 @@ class StageRuntime:
                                detail=f"{OUTPUT_REJECTED}: {e.detail}"[:200])
                     return False
                 log.warning("fwd mb %x rejected by %s: %s", ctx.mb, peer[-8:], e)
+                if e.reason == Reason.BANNED.value:
+                    self._note_banned()
                 self.router.ban(peer, 30.0, e.reason)
                 self.metrics.bans.labels(cause=e.reason).inc()
                 tried.add(peer)
@@ -641,13 +649,68 @@ class StageRuntime:
             self.metrics.request_seconds.labels(protocol="fwd").observe(rtt)
             self.metrics.request("fwd", "ack", peer)
             self.router.on_ack(peer, rtt, reply.header.get("queue"))
-            ctx.sent_at = time.monotonic()
+            ctx.sent_at = self._last_accepted = time.monotonic()
             if ctx.mb not in self.contexts:  # dropped while the request was out (e.g. peer banned)
                 return False
             return True
         if ctx.mb in self.contexts:
             self._drop(ctx.mb, "no-next-hop", skip=Reason.BUSY)
         return False
+
+    # ------------------------------------------------------------------ re-sync after a ban
+
+    def _note_banned(self) -> None:
+        """A neighbour answered "banned": while nothing of ours is accepted, keep this replica's
+        weights caught up with another replica of the stage (``_resync_while_banned``)."""
+        self._banned_at = time.monotonic()
+        if self.opt.resync_every > 0 and not self._stopping and (
+                self._resync_task is None or self._resync_task.done()):
+            self._resync_task = self.spawn(self._resync_while_banned())
+
+    async def _resync_while_banned(self) -> None:
+        """Every ``resync_every`` seconds, until a fwd or bwd of ours is accepted again (or four
+        first-ban lengths have passed), fetch another replica's weights. A banned replica gets no
+        work, so without this it came back with weights a whole ban old, was judged (as a
+        newcomer) against the replica that kept training, and was banned again at once: in every
+        clean real swarm that banned an honest replica (docs/SENTINEL.md)."""
+        limit = time.monotonic() + 4 * self.opt.ban_flags_seconds
+        while not self._stopping and time.monotonic() < limit:
+            await asyncio.sleep(self.opt.resync_every)
+            if self._stopping or (self._banned_at is not None and self._last_accepted > self._banned_at):
+                return
+            await self.resync_from_replica()
+
+    async def resync_from_replica(self) -> bool:
+        """Fetch this stage's current weights from another online replica and adopt them (between
+        two compute jobs), with its optimizer version. Optimizer moments are kept (as a joiner
+        rebuilds them, they are local statistics). False when no replica could give them."""
+        from node.state_sync import StateSyncError, fetch_state
+
+        for p in self.router.stage_peers(self.index):
+            if p.peer_id == self.peer_id:
+                continue
+            try:
+                version, tensors, nbytes = await fetch_state(self.transport, p.peer_id, self.run_id, self.mhash,
+                                                             self.index, self.stage, timeout=self.opt.request_timeout)
+            except (PeerBusy, PeerRejected, PeerUnreachable, ProtocolError, StateSyncError,
+                    asyncio.TimeoutError, ConnectionError, OSError) as e:
+                log.info("re-sync from %s failed: %r", p.peer_id[-8:], e)
+                continue
+            before = self.version
+            await self.worker.submit("ctl", self._adopt_state, version, tensors)
+            self.metrics.state_sync_bytes.labels(direction="in").inc(nbytes)
+            log.info("re-synced stage %d weights from %s after a ban (version %d -> %d)", self.index,
+                     p.peer_id[-8:], before, version)
+            return True
+        return False
+
+    def _adopt_state(self, version: int, tensors: dict) -> None:
+        """Compute-worker job: take a replica's weights and version."""
+        from node.state_sync import copy_state
+
+        copy_state(self.stage, tensors)
+        self.set_version(version)
+        self.la.invalidate()
 
     def _banned_by_next_stage(self) -> bool:
         """A replica of the next stage answered ``banned`` to us and its ban in our router (that
@@ -926,6 +989,8 @@ class StageRuntime:
             except PeerRejected as e:
                 self.metrics.request("bwd", e.reason, peer)
                 log.debug("bwd mb %x rejected by %s: %s", mb, peer[-8:], e)
+                if e.reason == Reason.BANNED.value:
+                    self._note_banned()
                 return False
             except (PeerUnreachable, ConnectionError, OSError) as e:
                 self.metrics.request("bwd", "failed", peer)
@@ -939,6 +1004,8 @@ class StageRuntime:
                 self.metrics.request("bwd", "timeout", peer)
                 log.info("bwd mb %x to %s timed out", mb, peer[-8:])
                 return False
+            if grad is not None:  # a tensor of ours was accepted (an acked skip says nothing)
+                self._last_accepted = time.monotonic()
             self.metrics.request_seconds.labels(protocol="bwd").observe(time.monotonic() - t0)
             self.metrics.request("bwd", "skip" if grad is None else "ack", peer)
             return True

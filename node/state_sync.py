@@ -61,9 +61,10 @@ async def serve_state(runtime, frame, peer: str):
     log.info("sent stage %d state (version %d, %.1f MiB) to %s", runtime.index, version, sent / 2**20, peer[-8:])
 
 
-async def download_state(transport, peer: str, run: str, mhash: str, stage_index: int,
-                         module: torch.nn.Module, timeout: float = 30.0) -> tuple[int, int]:
-    """Fetch stage ``stage_index``'s weights from ``peer`` into ``module``; returns (version, bytes)."""
+async def fetch_state(transport, peer: str, run: str, mhash: str, stage_index: int,
+                      module: torch.nn.Module, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor], int]:
+    """Fetch stage ``stage_index``'s weights from ``peer``, checked against ``module``'s names,
+    dtypes and shapes, without touching ``module``; returns (version, CPU tensors, bytes)."""
     expected = {n: p.detach() for n, p in parameters_of(module).items()}
     asm = StateAssembler(run, mhash, stage_index, {n: t.to("cpu") for n, t in expected.items()})
     received = 0
@@ -74,11 +75,22 @@ async def download_state(transport, peer: str, run: str, mhash: str, stage_index
             break
     if not asm.done:
         raise StateSyncError(f"{peer} closed the state stream before the last chunk")
-    tensors = asm.result()
+    return int(asm.version), asm.result(), received
+
+
+def copy_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy fetched weights into ``module`` (call where no compute runs on it)."""
     with torch.no_grad():
         for name, p in parameters_of(module).items():
             p.copy_(tensors[name].to(p.device, p.dtype))
-    return int(asm.version), received
+
+
+async def download_state(transport, peer: str, run: str, mhash: str, stage_index: int,
+                         module: torch.nn.Module, timeout: float = 30.0) -> tuple[int, int]:
+    """Fetch stage ``stage_index``'s weights from ``peer`` into ``module``; returns (version, bytes)."""
+    version, tensors, received = await fetch_state(transport, peer, run, mhash, stage_index, module, timeout)
+    copy_state(module, tensors)
+    return version, received
 
 
 async def join_from_replicas(transport, router_peers: list[str], run: str, mhash: str, stage_index: int,

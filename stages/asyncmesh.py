@@ -456,6 +456,10 @@ class LookaheadForward:
         """Call after every ``optimizer.step()`` of this stage."""
         self.version += 1
 
+    def invalidate(self) -> None:
+        """Forget the cached look-ahead weights (the weights were replaced, e.g. by a re-sync)."""
+        self._cached = None
+
 
 @dataclass
 class StepPolicy:

@@ -495,6 +495,62 @@ async def test_joiner_downloads_the_exact_weights(test_manifest):
     assert value(joiner, "swarm_node_state_sync_bytes_total", direction="in") > 0
 
 
+@pytest.mark.asyncio
+async def test_a_banned_replica_keeps_its_weights_caught_up_with_another_replica(test_manifest):
+    """After a neighbour answers "banned", a replica fetches another replica's weights (and
+    version) every ``resync_every`` seconds until something of its own is accepted again, so it
+    does not come back with weights a whole ban old; then it stops."""
+    m = test_manifest
+    net = Net()
+    online = make_runtime(m, 1, "old", net, seed=1)
+    with torch.no_grad():
+        for p in online.stage.parameters():
+            p.add_(torch.randn_like(p))
+    online.la.version = 42
+    stale = make_runtime(m, 1, "stale", net, seed=2, resync_every=0.05)
+    link([online, stale])
+    await start_all([online, stale])
+    try:
+        stale._note_banned()
+        assert await wait_for(lambda: stale.version == 42, timeout=5.0)
+        for (n, a), (_, b) in zip(online.stage.named_parameters(), stale.stage.named_parameters()):
+            assert torch.equal(a, b), n
+        assert stale.la.weights().version == 42
+        assert value(stale, "swarm_node_state_sync_bytes_total", direction="in") > 0
+        with torch.no_grad():  # the other replica trains on; so does the re-sync
+            next(online.stage.parameters()).add_(1.0)
+        assert await wait_for(lambda: torch.equal(next(online.stage.parameters()),
+                                                  next(stale.stage.parameters())), timeout=5.0)
+        stale._last_accepted = time.monotonic()  # our traffic is accepted again
+        assert await wait_for(lambda: stale._resync_task.done(), timeout=5.0)
+    finally:
+        await stop_all([online, stale])
+    # off, and alone in its stage: nothing to do, nothing breaks
+    lone = make_runtime(m, 1, "lone", Net(), resync_every=0.0)
+    lone._note_banned()
+    assert lone._resync_task is None
+    assert await make_runtime(m, 1, "lone2", Net()).resync_from_replica() is False
+
+
+@pytest.mark.asyncio
+async def test_a_banned_reply_from_the_next_stage_starts_the_resync(test_manifest):
+    m = test_manifest
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), steps=2)
+    body = make_runtime(m, 1, "body", net, resync_every=0.05)
+    tail = make_runtime(m, 2, "tail", net)
+    tail.banlist.ban("body", time.monotonic())
+    link([head, body, tail])
+    await start_all([head, body, tail])
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: body._resync_task is not None, timeout=10.0)
+        assert body._banned_at is not None and body._last_accepted < body._banned_at
+    finally:
+        drive.cancel()
+        await stop_all([head, body, tail])
+
+
 def test_checkpoint_state_round_trip(test_manifest, tmp_path):
     from node.checkpoint import load_latest_checkpoint, save_checkpoint
 
