@@ -470,17 +470,23 @@ async def test_verifier_rejects_drop_skip_and_ban(test_manifest):
     assert len(head.contexts) <= 1
 
 
+def moved_replica(m, net, peer, version):
+    """A stage-1 replica whose weights and optimizer version are not the initial ones."""
+    rt = make_runtime(m, 1, peer, net, seed=1)
+    with torch.no_grad():
+        for p in rt.stage.parameters():
+            p.add_(torch.randn_like(p))
+    rt.la.version = version
+    return rt
+
+
 @pytest.mark.asyncio
 async def test_joiner_downloads_the_exact_weights(test_manifest):
     from node.state_sync import join_from_replicas
 
     m = test_manifest
     net = Net()
-    online = make_runtime(m, 1, "old", net, seed=1)
-    with torch.no_grad():
-        for p in online.stage.parameters():
-            p.add_(torch.randn_like(p))
-    online.la.version = 42
+    online = moved_replica(m, net, "old", version=42)
     joiner = make_runtime(m, 1, "new", net, seed=2)
     await start_all([online])
     await joiner.start()
@@ -502,11 +508,7 @@ async def test_a_banned_replica_keeps_its_weights_caught_up_with_another_replica
     does not come back with weights a whole ban old; then it stops."""
     m = test_manifest
     net = Net()
-    online = make_runtime(m, 1, "old", net, seed=1)
-    with torch.no_grad():
-        for p in online.stage.parameters():
-            p.add_(torch.randn_like(p))
-    online.la.version = 42
+    online = moved_replica(m, net, "old", version=42)
     stale = make_runtime(m, 1, "stale", net, seed=2, resync_every=0.05)
     link([online, stale])
     await start_all([online, stale])
