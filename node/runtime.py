@@ -520,7 +520,7 @@ class StageRuntime:
         """la.horizon = the received horizon in this stage's own steps (the head's seconds over
         this stage's step period), at most ``max_horizon``; None until both are known. Used from
         the next optimizer version on (look-ahead weights are computed once per version)."""
-        if self.is_head or self.horizon_s is None:
+        if self.horizon_s is None:  # the head never receives one
             return
         steps = self.clock.steps_in(self.horizon_s)
         self.la.horizon = None if steps is None else min(steps, self.max_horizon)
@@ -684,25 +684,21 @@ class StageRuntime:
         """Fetch this stage's current weights from another online replica and adopt them (between
         two compute jobs), with its optimizer version. Optimizer moments are kept (as a joiner
         rebuilds them, they are local statistics). False when no replica could give them."""
-        from node.state_sync import StateSyncError, fetch_state
+        from node.state_sync import StateSyncError, fetch_from_replicas
 
-        for p in self.router.stage_peers(self.index):
-            if p.peer_id == self.peer_id:
-                continue
-            try:
-                version, tensors, nbytes = await fetch_state(self.transport, p.peer_id, self.run_id, self.mhash,
-                                                             self.index, self.stage, timeout=self.opt.request_timeout)
-            except (PeerBusy, PeerRejected, PeerUnreachable, ProtocolError, StateSyncError,
-                    asyncio.TimeoutError, ConnectionError, OSError) as e:
-                log.info("re-sync from %s failed: %r", p.peer_id[-8:], e)
-                continue
-            before = self.version
-            await self.worker.submit("ctl", self._adopt_state, version, tensors)
-            self.metrics.state_sync_bytes.labels(direction="in").inc(nbytes)
-            log.info("re-synced stage %d weights from %s after a ban (version %d -> %d)", self.index,
-                     p.peer_id[-8:], before, version)
-            return True
-        return False
+        peers = [p.peer_id for p in self.router.stage_peers(self.index)]
+        try:
+            version, tensors, src = await fetch_from_replicas(self.transport, peers, self.run_id, self.mhash,
+                                                              self.index, self.stage, self.metrics,
+                                                              timeout=self.opt.request_timeout)
+        except StateSyncError as e:
+            log.info("re-sync after a ban: %s", e)
+            return False
+        before = self.version
+        await self.worker.submit("ctl", self._adopt_state, version, tensors)
+        log.info("re-synced stage %d weights from %s after a ban (version %d -> %d)", self.index, src[-8:],
+                 before, version)
+        return True
 
     def _adopt_state(self, version: int, tensors: dict) -> None:
         """Compute-worker job: take a replica's weights and version."""

@@ -85,22 +85,17 @@ def copy_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Non
             p.copy_(tensors[name].to(p.device, p.dtype))
 
 
-async def download_state(transport, peer: str, run: str, mhash: str, stage_index: int,
-                         module: torch.nn.Module, timeout: float = 30.0) -> tuple[int, int]:
-    """Fetch stage ``stage_index``'s weights from ``peer`` into ``module``; returns (version, bytes)."""
-    version, tensors, received = await fetch_state(transport, peer, run, mhash, stage_index, module, timeout)
-    copy_state(module, tensors)
-    return version, received
-
-
-async def join_from_replicas(transport, router_peers: list[str], run: str, mhash: str, stage_index: int,
-                             module: torch.nn.Module, metrics=None, timeout: float = 30.0) -> tuple[int, str]:
-    """Try online replicas in order until one hands over its state; returns (version, peer)."""
+async def fetch_from_replicas(transport, peers: list[str], run: str, mhash: str, stage_index: int,
+                              module: torch.nn.Module, metrics=None,
+                              timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor], str]:
+    """Try online replicas in order until one hands over its state (``fetch_state``, not yet
+    applied); returns (version, CPU tensors, peer). Used by a joiner and by a replica catching
+    up after a ban."""
     errors = []
-    for peer in router_peers:
+    for peer in peers:
         t0 = time.monotonic()
         try:
-            version, nbytes = await download_state(transport, peer, run, mhash, stage_index, module, timeout)
+            version, tensors, nbytes = await fetch_state(transport, peer, run, mhash, stage_index, module, timeout)
         except (PeerBusy, PeerRejected, PeerUnreachable, ProtocolError, StateSyncError,
                 asyncio.TimeoutError, ConnectionError, OSError) as e:
             errors.append(f"{peer[-8:]}: {e!r}"[:200])
@@ -110,5 +105,15 @@ async def join_from_replicas(transport, router_peers: list[str], run: str, mhash
             metrics.state_sync_bytes.labels(direction="in").inc(nbytes)
         log.info("downloaded stage %d state (version %d, %.1f MiB) from %s in %.1f s", stage_index, version,
                  nbytes / 2**20, peer[-8:], time.monotonic() - t0)
-        return version, peer
+        return version, tensors, peer
     raise StateSyncError("no online replica gave us the stage state: " + "; ".join(errors))
+
+
+async def join_from_replicas(transport, router_peers: list[str], run: str, mhash: str, stage_index: int,
+                             module: torch.nn.Module, metrics=None, timeout: float = 30.0) -> tuple[int, str]:
+    """Try online replicas in order until one hands over its state, copied into ``module``;
+    returns (version, peer)."""
+    version, tensors, peer = await fetch_from_replicas(transport, router_peers, run, mhash, stage_index, module,
+                                                       metrics, timeout)
+    copy_state(module, tensors)
+    return version, peer

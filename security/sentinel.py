@@ -463,15 +463,13 @@ class Sentinel:
         so one cannot join a stage of one or two replicas with garbage. What two replicas cannot
         tell is which of them drifted (as with ``tokc``), so an established replica that changes
         slowly is followed and one that jumps is rejected until its EMA catches up."""
-        if sender is not None:
-            voters = self._voters(state)
-            if len(voters) < 3:
-                rec = state.senders.get(sender)
-                if rec is not None and any(v is rec for v in voters):
-                    return rec.ema
+        voters = self._voters(state)
+        if sender is not None and len(voters) < 3:
+            rec = state.senders.get(sender)
+            if any(v is rec for v in voters):
+                return rec.ema
         if state.ref_version != state.seen:
-            active = self._voters(state)
-            state.ref = median_stats([rec.ema for rec in active]) if active else None
+            state.ref = median_stats([rec.ema for rec in voters]) if voters else None
             state.ref_version = state.seen
         return state.ref
 
