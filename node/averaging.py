@@ -301,6 +301,8 @@ class ReplicaAverager:
             log.warning("averaging round %d rejected: %s", rnd.number, e)
             return False
         self.stats.rounds_applied += 1
+        log.info("averaging round %d applied: group of %d, %d elements, delta norm %.4g, %d local steps after the snapshot",
+                 rnd.number, g, n, norm, elapsed)
         self.stats.last_elapsed_steps, self.stats.last_delta_norm = elapsed, norm
         self.stats.last_round, self.stats.last_snapshot_step = rnd.number, rnd.start_step
         self.stats.last_moment_lambda = sum(lam_m) / max(1, len(lam_m))
