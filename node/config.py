@@ -70,7 +70,7 @@ class NodeConfig:
 # field name -> help text for the flag
 _HELP = {
     "manifest": "run manifest: a shipped name (default, test) or a TOML file",
-    "stage": "pipeline stage to hold: 'auto' (the stage with the least announced throughput) or an index",
+    "stage": "pipeline stage to hold: 'auto' (the stage with the least announced capacity) or an index",
     "initial_peers": "multiaddr(s) of peers already in the swarm (e.g. a `swarm-node bootstrap` peer)",
     "identity": "libp2p identity key file (created with `swarm-node keygen`, mode 0600); keeps the peer id",
     "device": "auto, cpu, cuda or cuda:N (bf16 autocast on CUDA)",

@@ -9,7 +9,7 @@ left running:
 3. identity not already online (a throwaway daemon dials the key's peer id);
 4. DHT + p2pd, bootstrapped from ``--initial-peers`` with retries (``node.membership``);
 5. the swarm's manifest: same hash, or refuse naming the differing fields; publish if first;
-6. stage: forced, from our checkpoint, or ``auto`` (least announced throughput);
+6. stage: forced, from our checkpoint, or ``auto`` (least announced capacity);
 7. memory: the stage must fit in the device's free memory (numbers in the error);
 8. build the stage, restore the newest valid checkpoint, or download the weights from an online
    replica (``joining`` -> ``online``), serve fwd/bwd/state/health, announce, train.
@@ -463,8 +463,8 @@ class Node:
         if st not in ("joining", "online", "draining", "offline"):
             st = "joining"
         rec = PeerRecord(self.peer_id, self.index, st,
-                         throughput=rt.tokens_per_s(), queue=rt.worker.depth("fwd") if rt.worker else 0,
-                         version=rt.version, maddrs=self.maddrs)
+                         throughput=rt.tokens_per_s(), capacity=rt.capacity_tokens_per_s(),
+                         queue=rt.worker.depth("fwd") if rt.worker else 0, version=rt.version, maddrs=self.maddrs)
         try:
             await self.membership.aannounce(rec, ttl=ttl, timeout=timeout)
         except Exception as e:  # noqa: BLE001

@@ -9,8 +9,8 @@ Everything lives in ``hivemind.DHT`` under two keys per run:
     why the whole consensus dict is published, not only its hash. Online nodes refresh it.
 
 ``swarm-node/<run>/peers``
-    one subkey per peer, holding ``{peer_id, stage, state, throughput, queue, version, protocol,
-    maddrs, time}``. Subkeys carry the writer's RSA public key and values its signature
+    one subkey per peer, holding ``{peer_id, stage, state, throughput, capacity, queue, version,
+    protocol, maddrs, time}``. Subkeys carry the writer's RSA public key and values its signature
     (hivemind's ``RSASignatureValidator``), so only a peer can write or refresh its own entry.
     Entries expire ``ttl`` seconds after their last refresh, so a peer that vanishes (kill -9,
     cable cut) drops out of everyone's view on its own.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import math
 import os
 import signal
 import time
@@ -245,7 +246,9 @@ class PeerRecord:
     peer_id: str
     stage: int
     state: str
-    throughput: float = 0.0  # tokens/s this peer trained on recently
+    throughput: float = 0.0  # tokens/s this peer trained on recently (what it got)
+    capacity: float | None = None  # tokens/s of compute-busy time (what it can do); 0: not measured
+    # yet; None: the record has no such field (a peer from before it: weigh it by throughput)
     queue: int = 0  # requests waiting for its compute
     version: int = 0  # its optimizer step count
     protocol: int = PROTOCOL_VERSION
@@ -254,11 +257,14 @@ class PeerRecord:
     expiration: float = 0.0
 
     def to_value(self) -> dict:
-        return {
+        value = {
             "peer_id": self.peer_id, "stage": self.stage, "state": self.state,
             "throughput": float(self.throughput), "queue": int(self.queue), "version": int(self.version),
             "protocol": int(self.protocol), "maddrs": list(self.maddrs), "time": float(self.time),
         }
+        if self.capacity is not None:
+            value["capacity"] = float(self.capacity)
+        return value
 
     @classmethod
     def from_value(cls, value: object, expiration: float = 0.0) -> PeerRecord | None:
@@ -268,26 +274,33 @@ class PeerRecord:
         try:
             rec = cls(
                 peer_id=str(value["peer_id"]), stage=int(value["stage"]), state=str(value["state"]),
-                throughput=float(value.get("throughput", 0.0)), queue=int(value.get("queue", 0)),
-                version=int(value.get("version", 0)), protocol=int(value.get("protocol", 0)),
+                throughput=float(value.get("throughput", 0.0)),
+                capacity=float(value["capacity"]) if "capacity" in value else None,
+                queue=int(value.get("queue", 0)), version=int(value.get("version", 0)),
+                protocol=int(value.get("protocol", 0)),
                 maddrs=[str(m) for m in value.get("maddrs", [])][:16], time=float(value.get("time", 0.0)),
                 expiration=float(expiration),
             )
         except (KeyError, TypeError, ValueError):
             return None
-        if rec.state not in STATES or rec.stage < 0 or not rec.peer_id or rec.throughput < 0:
+        if rec.state not in STATES or rec.stage < 0 or not rec.peer_id:
             return None
+        if not all(math.isfinite(x) and x >= 0 for x in (rec.throughput, rec.capacity or 0.0)):
+            return None  # a NaN would win or lose every routing comparison
         return rec
 
 
 def choose_stage(records: list[PeerRecord], n_stages: int) -> int:
-    """``--stage auto``: the stage with the least announced throughput among joining/online peers;
-    ties go to the stage with fewer peers, then the lower index."""
+    """``--stage auto``: the stage with the least announced capacity among joining/online peers
+    (a peer's ``capacity``, or its ``throughput`` where it announces none); ties go to the stage
+    with fewer peers, then the lower index. Capacity, not throughput: in a running pipeline every
+    microbatch passes every stage, so the stages' throughputs are equal and the slowest stage is
+    the one with the least compute."""
     tput = [0.0] * n_stages
     count = [0] * n_stages
     for r in records:
         if r.state in ("joining", "online") and 0 <= r.stage < n_stages:
-            tput[r.stage] += r.throughput
+            tput[r.stage] += r.throughput if r.capacity is None else r.capacity
             count[r.stage] += 1
     return min(range(n_stages), key=lambda s: (tput[s], count[s], s))
 

@@ -55,6 +55,9 @@ class NodeMetrics:
         self.tokens = Counter("swarm_node_tokens", "Tokens whose gradient this stage applied", registry=r)
         self.tokens_per_s = Gauge("swarm_node_tokens_per_second",
                                   "Tokens per second this stage trained on, over the last 10 s", registry=r)
+        self.capacity = Gauge("swarm_node_capacity_tokens_per_second",
+                              "Tokens per second of compute-busy time over the last 32 backwards (announced; "
+                              "routers weigh replicas by it)", registry=r)
         self.microbatches = Counter("swarm_node_microbatches", "Microbatches by outcome", ["outcome"], registry=r)
         self.inflight = Gauge("swarm_node_inflight_microbatches",
                               "Microbatch contexts held waiting for their gradient", registry=r)

@@ -9,9 +9,18 @@ minus ourselves. Each gets an expected wait::
 
 ``queue`` is the peer's compute queue as it last told us (acks carry it, announcements too),
 ``outstanding`` the microbatches we sent it whose gradient has not come back yet, ``capacity``
-its announced tokens/s; a replica that has announced none yet (it just joined) gets the median
-of its stage, so it is treated as an average one rather than starved or flooded. The lowest
-score wins; ties are broken at random so equal replicas share the load.
+its announced tokens per second of compute-busy time (what it can do), or its announced
+throughput where it announces no capacity (an older peer). A replica that has announced neither
+yet (it just joined) gets the median of its stage, so it is treated as an average one rather
+than starved or flooded. The lowest score wins; ties are broken at random so equal replicas
+share the load.
+
+Capacity, not throughput (tokens trained per wall second): throughput is what a replica *got*,
+so weighing by it fed back on itself. Of two equal replicas, the one that happened to get more
+work announced more, was sent more, and the split stayed where chance had put it (in a clean
+3-stage loopback swarm the two body replicas ended at 226 and 74 optimizer steps; tests/
+test_routing.py reproduces the drift in a closed loop). A replica that computes twice as fast
+still gets twice the work.
 
 Failures ban a peer with exponential backoff: ``base · 2^(strikes-1)`` seconds, capped at
 ``max_ban``. A success clears the strikes; a fresh DHT announcement from the peer (its own
@@ -21,10 +30,38 @@ it speaks another run) use an explicit duration.
 
 from __future__ import annotations
 
+import collections
 import random
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
+
+
+class CapacityMeter:
+    """A replica's capacity: tokens per second of compute-busy time over its last ``intervals``
+    backwards, however long ago (so a replica that was sent nothing for a while still announces
+    what it can do). Fed ``record(tokens so far, busy seconds so far)`` at each backward; 0.0
+    until there are two intervals to measure. Thread-safe (the compute thread records, the event
+    loop reads)."""
+
+    def __init__(self, intervals: int = 32):
+        if intervals < 2:
+            raise ValueError(f"CapacityMeter: need at least 2 intervals, got {intervals}")
+        self._points: collections.deque = collections.deque(maxlen=intervals + 1)
+        self._lock = threading.Lock()
+
+    def record(self, tokens_total: float, busy_s: float) -> None:
+        with self._lock:
+            self._points.append((float(tokens_total), float(busy_s)))
+
+    def tokens_per_s(self) -> float:
+        with self._lock:
+            if len(self._points) < 3:
+                return 0.0
+            (tok0, busy0), (tok1, busy1) = self._points[0], self._points[-1]
+        busy = busy1 - busy0
+        return (tok1 - tok0) / busy if busy > 0 else 0.0
 
 
 @dataclass
@@ -33,6 +70,7 @@ class PeerState:
     stage: int
     state: str = "online"
     throughput: float = 0.0
+    capacity: float | None = None  # announced tokens per busy second; 0: not measured yet; None: no field
     queue: int = 0
     version: int = 0
     maddrs: list[str] = field(default_factory=list)
@@ -75,6 +113,8 @@ class Router:
             if p.stage != r.stage:  # it changed stage: old local load figures mean nothing
                 p.outstanding, p.rtt_ema = 0, None
             p.stage, p.state, p.throughput = r.stage, r.state, float(r.throughput)
+            cap = getattr(r, "capacity", None)
+            p.capacity = None if cap is None else float(cap)
             p.queue, p.version, p.maddrs, p.in_dht = int(r.queue), int(r.version), list(r.maddrs), True
             p.announced = float(getattr(r, "time", 0.0))
             if p.ban_cause == "unreachable" and p.announced > p.ban_announced and p.banned_until > self.clock():
@@ -108,8 +148,14 @@ class Router:
 
     # ---- choice
 
+    @staticmethod
+    def rate(p: PeerState) -> float:
+        """What a replica is weighed by: its announced capacity (0 while it has not measured one);
+        its throughput if its record has no capacity field (an older peer)."""
+        return p.throughput if p.capacity is None else p.capacity
+
     def score(self, p: PeerState, typical: float) -> float:
-        capacity = p.throughput if p.throughput > 0 else typical
+        capacity = self.rate(p) or typical
         return (p.queue + p.outstanding + 1) / max(capacity, 1e-9)
 
     def choose(self, stage: int, exclude=()) -> str | None:
@@ -117,8 +163,8 @@ class Router:
         cands = [p for p in self.stage_peers(stage) if p.peer_id not in exclude]
         if not cands:
             return None
-        tputs = [p.throughput for p in self.stage_peers(stage, include_banned=True) if p.throughput > 0]
-        typical = statistics.median(tputs) if tputs else 1.0
+        rates = [r for r in map(self.rate, self.stage_peers(stage, include_banned=True)) if r > 0]
+        typical = statistics.median(rates) if rates else 1.0
         scored = [(self.score(p, typical), self.rng.random(), p.peer_id) for p in cands]
         return min(scored)[2]
 

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 from node.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable
+from node.routing import CapacityMeter
 from protocol.frames import Limits, ProtocolError, Reason
 from protocol.messages import (
     Expect,
@@ -272,6 +273,7 @@ class StageRuntime:
         self.banlist = BanList(flags_to_ban=manifest.sentinel.flags_to_ban, memory=max(20, manifest.sentinel.flags_to_ban),
                                base_s=self.opt.ban_flags_seconds)
         self._tokens_window: collections.deque = collections.deque()
+        self.capacity_meter = CapacityMeter()  # tokens per busy second: what we announce (routing.py)
         self._tokens_total = 0
         self.step_log = None  # a text file: one JSON object per optimizer step (``--json-log``)
         self.status_cache: dict = {}
@@ -844,6 +846,8 @@ class StageRuntime:
         self._tokens_total += tokens
         with self._window_lock:
             self._tokens_window.append((time.monotonic(), tokens))
+        # the worker's busy time so far leaves out this job: every point lags by one job alike
+        self.capacity_meter.record(self._tokens_total, self.worker.busy_s if self.worker is not None else 0.0)
         if loss is not None:
             self.last_loss = loss
             self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
@@ -1158,6 +1162,13 @@ class StageRuntime:
         span = max(1.0, min(window, now - self._started))
         return total / span
 
+    def capacity_tokens_per_s(self) -> float:
+        """Tokens per second of compute-busy time over the last 32 backwards (``CapacityMeter``):
+        how fast this replica trains when it has work, which routers weigh it by. ``tokens_per_s``
+        is what it *got*: routing by that made the split between equal replicas self-sustaining,
+        since a replica that got less work announced less and was sent less (docs/NODE.md)."""
+        return self.capacity_meter.tokens_per_s()
+
     def _update_queue_gauges(self) -> None:
         if self.worker is not None:
             self.metrics.queue_depth.labels(direction="fwd").set(self.worker.depth("fwd"))
@@ -1179,6 +1190,7 @@ class StageRuntime:
             if age > self.opt.probe_after:
                 self.suspect(peer)
         self.metrics.tokens_per_s.set(self.tokens_per_s())
+        self.metrics.capacity.set(self.capacity_tokens_per_s())
         self.metrics.banned_peers.set(len(self.router.banned()))
         if self.metrics.peer_rtt is not None:
             for p in list(self.router.peers.values()):

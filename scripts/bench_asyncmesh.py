@@ -55,6 +55,7 @@ import copy
 import heapq
 import json
 import statistics
+import signal
 import sys
 import time
 from pathlib import Path
@@ -667,6 +668,8 @@ class _Whole(torch.nn.Module):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like an exception, so every `with LocalSwarm(...)` stops its nodes
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # one intra-op thread: on a shared box more threads oversubscribe the cores and run slower
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()

@@ -50,6 +50,7 @@ import collections
 import json
 import math
 import statistics
+import signal
 import sys
 import time
 from pathlib import Path
@@ -563,13 +564,19 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
                  sw.start_node(2, "tail")]
         sw.wait_ready(timeout=180)
         deadline = time.monotonic() + 60 + 10 * args.clean_steps
+        bodies, gap_max = nodes[1:-1], 0
         while time.monotonic() < deadline and not any(n.proc.poll() is not None for n in nodes):
+            # how evenly the head's router splits the work between the body replicas
+            steps = [sw.value(b, "swarm_node_steps_total") for b in bodies]
+            gap_max = max(gap_max, int(max(steps) - min(steps)))
             if sw.value(nodes[-1], "swarm_node_steps_total") >= args.clean_steps:
                 break
             time.sleep(2)
         metrics = {n.name: sw.metrics(n) for n in nodes}
         exit_codes = sw.close()
     out = clean_summary(metrics)
+    out["body_steps"] = [metrics[b.name].get("swarm_node_steps_total") for b in bodies]
+    out["body_step_gap_max"] = gap_max
     out["loss_ema"] = metrics["tail"].get("swarm_node_loss_ema")
     out["settings"] = {"manifest": args.real_manifest, "lookahead_horizon": m.asyncmesh.lookahead_horizon,
                        "replicas": args.clean_replicas, "steps": args.clean_steps,
@@ -581,6 +588,8 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like an exception, so every `with LocalSwarm(...)` stops its nodes
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     det = detection(args) if args.part in ("all", "both", "detection") else None

@@ -17,6 +17,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
     ("Training", [
         ("Tokens per second (per node)", "short",
          [("swarm_node_tokens_per_second", "{{instance}}")], "timeseries"),
+        ("Capacity: tokens per busy second (per node, what routing weighs)", "short",
+         [("swarm_node_capacity_tokens_per_second", "{{instance}}")], "timeseries"),
         ("Swarm tokens per second (heads)", "short",
          [("sum(rate(swarm_node_tokens_total[1m]) and on (instance) (swarm_node_stage == 0))", "tokens/s")],
          "stat"),

@@ -275,6 +275,11 @@ async def test_three_stages_train_and_every_tensor_is_verified(test_manifest):
     assert value(head, "swarm_node_staleness_steps_count") == head.version
     assert value(head, "swarm_node_microbatch_rtt_seconds_count") == head.version
     assert 0 < value(tail, "swarm_node_loss") < 10
+    # capacity (what routers weigh a replica by) is measured: tokens per compute-busy second, at
+    # least the tokens per wall second (busy time is part of wall time)
+    for rt in rts:
+        cap, tps = rt.capacity_tokens_per_s(), rt.tokens_per_s()
+        assert cap >= 0.9 * tps > 0, (rt.peer_id, cap, tps)
 
 
 @pytest.mark.asyncio

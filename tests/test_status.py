@@ -18,6 +18,7 @@ def _metrics_text() -> str:
     m.loss.set(3.25)
     m.loss_ema.set(3.5)
     m.tokens_per_s.set(1234.5)
+    m.capacity.set(2000.0)
     m.peers.labels(stage="0").set(1)
     m.peers.labels(stage="1").set(2)
     m.peers.labels(stage="2").set(1)
@@ -31,10 +32,11 @@ def test_status_from_real_metrics():
     assert st["state"] == "online"
     assert st["steps"] == 7 and st["version"] == 7
     assert st["loss"] == 3.25
-    assert st["tokens_per_s"] == 1234.5
+    assert st["tokens_per_s"] == 1234.5 and st["capacity_tokens_per_s"] == 2000.0
     assert st["peers_per_stage"] == {"0": 1, "1": 2, "2": 1}
     text = format_status(st)
     assert "state        online" in text and "stage 1: 2" in text
+    assert "tokens/s     1234.5 (capacity 2000.0 per busy second)" in text
 
 
 def test_status_cli_unreachable_gives_one_line_error():
