@@ -332,7 +332,9 @@ def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) 
 
 @dataclass(frozen=True)
 class Judgement:
-    """What ``Sentinel.judge`` decided. ``basis``: warmup | reference | shift | replay | retransmit."""
+    """What ``Sentinel.judge`` decided. ``basis``: warmup | reference | partner | shift | replay |
+    retransmit (``partner``: over its own reference's fences but within a partner replica's,
+    ``Sentinel._partners``)."""
 
     accept: bool
     reason: str | None
@@ -473,6 +475,35 @@ class Sentinel:
             state.ref_version = state.seen
         return state.ref
 
+    def _partners(self, state: _Direction, sender: str | None) -> list[Stats]:
+        """With fewer than three voters, the EMAs of the *other* voters, for an established voter
+        (judged against its own EMA, ``_reference``): its tensor also passes if it is within the
+        fences of what a partner replica sends now. Of two honest replicas that a stage-wide move
+        reaches a few seconds apart, the second was judged against its own, not yet moved, EMA and
+        flagged in a burst (clean real swarms, docs/SENTINEL.md), though it sent what its partner
+        already sent. This admits nothing that does not look like an established replica's
+        current output (and a newcomer, judged against the voters, gets no partner)."""
+        if sender is None:
+            return []
+        voters = self._voters(state)
+        rec = state.senders.get(sender)
+        if len(voters) >= 3 or not any(v is rec for v in voters):
+            return []
+        return [v.ema for v in voters if v is not rec]
+
+    @staticmethod
+    def _score(d: dict[str, float], fences: dict[str, float]) -> tuple[float, str | None]:
+        """The worst distance over its fence, as a ratio (inf for a non-finite distance), and its name."""
+        score, worst = 0.0, None
+        for name, value in d.items():
+            fence = fences[name]
+            if math.isinf(fence):
+                continue
+            ratio = value / fence if fence > 0 else (0.0 if value <= 0 else math.inf)
+            if not math.isfinite(value) or ratio > score:
+                score, worst = (math.inf if not math.isfinite(value) else ratio), name
+        return score, worst
+
     def _fences(self, state: _Direction) -> dict[str, float]:
         """Per distance: the median over active senders of their own Tukey fences (each over its
         last ``sender_window`` accepted distances), once three senders have enough; before that
@@ -581,13 +612,15 @@ class Sentinel:
         if state.accepted >= p.warmup:
             basis = "reference"
             fences = self._fences(state)
-            for name, value in d.items():
-                fence = fences[name]
-                if math.isinf(fence):
-                    continue
-                ratio = value / fence if fence > 0 else (0.0 if value <= 0 else math.inf)
-                if not math.isfinite(value) or ratio > score:
-                    score, worst = (math.inf if not math.isfinite(value) else ratio), name
+            score, worst = self._score(d, fences)
+            if score > 1.0:
+                # the token-table distances do not depend on the reference: the partners' dicts share them
+                shared = {name: d[name] for name in ("tok", "shift", "tokc") if name in d}
+                for partner in self._partners(state, sender):
+                    alt = {**distances(s, partner), **shared}
+                    alt_score, alt_worst = self._score(alt, fences)
+                    if alt_score <= 1.0 and alt_score < score:
+                        score, worst, d, basis = alt_score, alt_worst, alt, "partner"
         accept = score <= 1.0
         if not accept and self._shifted(state) and score <= p.shift_reach:
             # most recent tensors leave the fences: the stage's honest distribution has moved
@@ -699,7 +732,7 @@ class Sentinel:
             if state.table is None or state.table.k != tX.shape[-1]:
                 state.table = TokenTable(p.token_buckets, tX.shape[-1], p.beta_tok)
             state.table.update(tX, tkeys, table_weight)
-        rec.out = basis in ("reference", "shift") and score > 1.0
+        rec.out = basis in ("reference", "partner", "shift") and score > 1.0
         if accept and basis != "shift":
             state.accepted += 1
             for name, value in d.items():

@@ -46,7 +46,8 @@ DEFAULT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class Verdict:
     """``accept``; ``reason`` (one of BASIC_REASONS / SENTINEL_REASONS) when rejected; ``score``:
     the largest distance/fence ratio (> 1 rejects; 0 when not judged); ``distances``: name ->
-    value; ``basis``: what it was judged against (basic, warmup, pooled, own, replay, retransmit)."""
+    value; ``basis``: what it was judged against (basic for the basic checks; else
+    ``sentinel.Judgement.basis``: warmup, reference, partner, shift, replay, retransmit)."""
 
     accept: bool
     reason: str | None = None

@@ -274,6 +274,48 @@ def test_two_replicas_are_each_judged_against_their_own_history():
     assert rejected == {"a": 0, "b": 0}
 
 
+
+def _partner_scenario(b_after):
+    """Two established replicas; a's output scale moves up 0.3% per tensor of its own for 100
+    tensors (followed by its own reference), b's stays; then b sends ``b_after(x)``. Returns
+    how many of b's next 10 tensors were rejected, and the other rejections (a's, and b's
+    before it moved: marginal false positives)."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, senders=("a", "b"), seed=9)
+    fresh = iter(stream(400, seed=10))
+    a_rejected = 0
+    for t in range(100):
+        ids, x = next(fresh)
+        a_rejected += not sen.judge("a", "act", x * (1.0 + 0.003 * t), ids).accept
+        ids, x = next(fresh)
+        a_rejected += not sen.judge("b", "act", x, ids).accept
+    b_rejected = 0
+    for t in range(10):
+        ids, x = next(fresh)
+        b_rejected += not sen.judge("b", "act", b_after(x), ids).accept
+        ids, x = next(fresh)
+        a_rejected += not sen.judge("a", "act", x * 1.3, ids).accept
+    return b_rejected, a_rejected
+
+
+def test_a_replica_catching_up_with_its_partner_is_accepted():
+    """A stage-wide move reaches two replicas at different times. The first follows it
+    gradually (its own reference keeps up); the second jumps to where the first already is.
+    Judged only against its own EMA it was flagged in a burst and banned in clean real swarms;
+    it is within the fences of its partner's reference, so it passes (basis ``partner``)."""
+    b_rejected, a_rejected = _partner_scenario(lambda x: x * 1.3)
+    assert b_rejected == 0 and a_rejected <= 2  # a marginal flag or so before b moves
+
+
+@pytest.mark.parametrize("attack", ["down", "scaling", "random"])
+def test_a_replica_jumping_where_no_partner_is_still_rejected(attack):
+    """The partner reference admits only what looks like another established replica's current
+    output: the same size of jump in another direction, or an attack, is still rejected."""
+    atk = {"down": lambda x: x / 1.3, "scaling": lambda x: make_attack("scaling", factor=3.0)(x, 0),
+           "random": lambda x: make_attack("random", seed=1)(x, 0)}[attack]
+    b_rejected, a_rejected = _partner_scenario(atk)
+    assert b_rejected >= 8 and a_rejected <= 2, (b_rejected, a_rejected)
+
 def test_a_newcomer_is_judged_against_the_established_replicas():
     """The own-history reference is for established voters only: a newcomer beside two honest
     replicas is judged against them, so it cannot join with scaled or random traffic."""
