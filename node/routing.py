@@ -10,9 +10,9 @@ minus ourselves. Each gets an expected wait::
 ``queue`` is the peer's compute queue as it last told us (acks carry it, announcements too),
 ``outstanding`` the microbatches we sent it whose gradient has not come back yet, ``capacity``
 its announced tokens per second of compute-busy time (what it can do), or its announced
-throughput where it announces no capacity (an older peer). A replica that has announced neither
-yet (it just joined) gets the median of its stage, so it is treated as an average one rather
-than starved or flooded. The lowest score wins; ties are broken at random so equal replicas
+throughput where its record has no capacity field (an older peer). A replica that has not
+measured its capacity yet (it just joined: 0) gets the median of its stage, so it is treated as
+an average one rather than starved or flooded. The lowest score wins; ties are broken at random so equal replicas
 share the load.
 
 Capacity, not throughput (tokens trained per wall second): throughput is what a replica *got*,

@@ -732,7 +732,7 @@ class Sentinel:
             if state.table is None or state.table.k != tX.shape[-1]:
                 state.table = TokenTable(p.token_buckets, tX.shape[-1], p.beta_tok)
             state.table.update(tX, tkeys, table_weight)
-        rec.out = basis in ("reference", "partner", "shift") and score > 1.0
+        rec.out = basis in ("reference", "shift") and score > 1.0
         if accept and basis != "shift":
             state.accepted += 1
             for name, value in d.items():

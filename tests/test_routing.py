@@ -195,7 +195,7 @@ def test_capacity_outranks_throughput():
     # has trained a little: its throughput of those few tokens would starve it
     r, _ = make([Rec("a", 1, capacity=400, throughput=400, queue=1), Rec("b", 1, capacity=400, throughput=400, queue=1),
                  Rec("new", 1, capacity=0.0, throughput=5, queue=1)])
-    assert r.rate(r.peers["new"]) == 0 and r.choose(1) in ("a", "b", "new")
+    assert r.rate(r.peers["new"]) == 0
     picks = [r.choose(1) for _ in range(30)]
     assert picks.count("new") > 0  # tied with a and b at the median, not ranked 80x behind
 
@@ -243,7 +243,7 @@ def _closed_loop(announce: str, ticks: int = 1500, inflight: int = 6, window: in
 def test_equal_replicas_share_the_load_when_weighed_by_capacity():
     # weighed by what they got, the split chance (or a head start) made sustains itself: the
     # replica sent more announces more and is sent more; weighed by capacity it evens out.
-    # (In a real clean swarm the two body replicas stood at 135 and 80 steps after two minutes.)
+    # (In a real clean swarm with no ban the two body replicas ended at 226 and 74 steps.)
     # Four seeds (deterministic): by capacity 0.489-0.507 over 8 seeds; by throughput a keeps
     # 0.53-0.64 of the work, never back to even within the run.
     for seed in range(4):
