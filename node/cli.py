@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bootstrap": ("node.bootstrap", "run a DHT-only entry peer and print its multiaddrs"),
     "train-local": ("node.train_local", "train the chained stages in one process (the reference baseline)"),
     "keygen": ("node.identity", "write a persistent libp2p identity key (mode 0600)"),
-    "status": ("node.status", "show a node's stage, state, peers, throughput and loss"),
+    "status": ("node.status", "show a node's stage, state, peers, throughput, capacity and loss"),
     "probe": ("node.probe", "dial a node with py-libp2p (a second libp2p implementation) and test it"),
     "doctor": ("node.doctor", "check this machine: torch/CUDA, memory, ports, p2pd, clock, identity"),
 }
