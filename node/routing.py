@@ -12,8 +12,8 @@ minus ourselves. Each gets an expected wait::
 its announced tokens per second of compute-busy time (what it can do), or its announced
 throughput where its record has no capacity field (an older peer). A replica that has not
 measured its capacity yet (it just joined: 0) gets the median of its stage, so it is treated as
-an average one rather than starved or flooded. The lowest score wins; ties are broken at random so equal replicas
-share the load.
+an average one rather than starved or flooded. The lowest score wins; ties are broken at random
+so equal replicas share the load.
 
 Capacity, not throughput (tokens trained per wall second): throughput is what a replica *got*,
 so weighing by it fed back on itself. Of two equal replicas, the one that happened to get more

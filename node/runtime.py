@@ -1163,10 +1163,8 @@ class StageRuntime:
         return total / span
 
     def capacity_tokens_per_s(self) -> float:
-        """Tokens per second of compute-busy time over the last 32 backwards (``CapacityMeter``):
-        how fast this replica trains when it has work, which routers weigh it by. ``tokens_per_s``
-        is what it *got*: routing by that made the split between equal replicas self-sustaining,
-        since a replica that got less work announced less and was sent less (docs/NODE.md)."""
+        """What we announce as ``capacity`` and routers weigh us by (``routing.CapacityMeter``);
+        ``tokens_per_s`` is what we were sent."""
         return self.capacity_meter.tokens_per_s()
 
     def _update_queue_gauges(self) -> None:

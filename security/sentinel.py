@@ -466,10 +466,9 @@ class Sentinel:
         tell is which of them drifted (as with ``tokc``), so an established replica that changes
         slowly is followed and one that jumps is rejected until its EMA catches up."""
         voters = self._voters(state)
-        if sender is not None and len(voters) < 3:
-            rec = state.senders.get(sender)
-            if any(v is rec for v in voters):
-                return rec.ema
+        rec = self._alone_with(voters, state, sender)
+        if rec is not None:
+            return rec.ema
         if state.ref_version != state.seen:
             state.ref = median_stats([rec.ema for rec in voters]) if voters else None
             state.ref_version = state.seen
@@ -483,13 +482,18 @@ class Sentinel:
         flagged in a burst (clean real swarms, docs/SENTINEL.md), though it sent what its partner
         already sent. This admits nothing that does not look like an established replica's
         current output (and a newcomer, judged against the voters, gets no partner)."""
-        if sender is None:
-            return []
         voters = self._voters(state)
+        rec = self._alone_with(voters, state, sender)
+        return [] if rec is None else [v.ema for v in voters if v is not rec]
+
+    @staticmethod
+    def _alone_with(voters: list[SenderRecord], state: _Direction, sender: str | None) -> SenderRecord | None:
+        """``sender``'s record if it is one of fewer than three voters (no majority: it is judged
+        against its own EMA, with its partner's as the second opinion), else None."""
+        if sender is None or len(voters) >= 3:
+            return None
         rec = state.senders.get(sender)
-        if len(voters) >= 3 or not any(v is rec for v in voters):
-            return []
-        return [v.ema for v in voters if v is not rec]
+        return rec if any(v is rec for v in voters) else None
 
     @staticmethod
     def _score(d: dict[str, float], fences: dict[str, float]) -> tuple[float, str | None]:
@@ -614,10 +618,8 @@ class Sentinel:
             fences = self._fences(state)
             score, worst = self._score(d, fences)
             if score > 1.0:
-                # the token-table distances do not depend on the reference: the partners' dicts share them
-                shared = {name: d[name] for name in ("tok", "shift", "tokc") if name in d}
                 for partner in self._partners(state, sender):
-                    alt = {**distances(s, partner), **shared}
+                    alt = {**d, **distances(s, partner)}  # the token-table distances do not depend on it
                     alt_score, alt_worst = self._score(alt, fences)
                     if alt_score <= 1.0 and alt_score < score:
                         score, worst, d, basis = alt_score, alt_worst, alt, "partner"
