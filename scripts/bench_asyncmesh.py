@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import heapq
 import json
 import statistics
@@ -138,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="deep regime: head's microbatches in flight (0: 2·(S−1)+1, 1F1B delays 2·(S−1−s))")
     p.add_argument("--deep-lr", type=float, default=0.0, help="deep regime: peak lr (0: --lr)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu",
+                   help="device of the averaging runs (cpu, cuda, cuda:N; bf16 autocast on CUDA); "
+                        "the pipeline runs stay on the CPU")
     p.add_argument("--only", choices=("pipeline", "averaging"), default=None)
     p.add_argument("--ablation", action="store_true",
                    help="also run sparse_moments (moments averaged, λ_m = 1) and sparse_lambda (λ = 1 + s/(P·H))")
@@ -531,7 +535,10 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
     R = args.replicas
     torch.manual_seed(args.seed)
     am = m.replace(optim={"name": args.avg_optim, "betas": [0.9, 0.95]}, stages={"layout": [[0, m.model.n_layers]]})
-    models = [build_model(am) for _ in range(R)]
+    dev = torch.device(args.device)
+    amp = functools.partial(torch.autocast, device_type=dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    models = [build_model(am).to(dev) for _ in range(R)]
+    val = [v.to(dev) for v in val]
     for mod in models[1:]:
         mod.load_state_dict(models[0].state_dict())
     opts = [build_optimizer(am, mod) for mod in models]
@@ -560,8 +567,9 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
     lams = []
     for step in range(args.steps):
         for r in range(R):
-            ids = data[r].batch(step)
-            loss = lm_loss(models[r](ids), ids)
+            ids = data[r].batch(step).to(dev, non_blocking=True)
+            with amp():
+                loss = lm_loss(models[r](ids), ids)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params[r], am.optim.grad_clip)
             set_lr(opts[r], lr_at(am.schedule, am.optim.lr, step))
@@ -610,13 +618,13 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
                     apply_average_delta(second_moments(opts[r], params[r]), idx, vsnaps[r], vavg, b2 ** s)
         if step % 50 == 0:
             progress(f"averaging {variant}: step {step} loss {loss.item():.3f}")
-    losses = []
-    for mod in models:
-        losses.append(val_loss_chain([_Whole(mod)], val))
+    with amp():
+        losses = [val_loss_chain([_Whole(mod)], val) for mod in models]
+        consensus = val_loss_chain([_Whole(consensus_model(models))], val)
     return {
         "val_loss": statistics.fmean(losses),
         "val_loss_per_replica": [round(x, 4) for x in losses],
-        "consensus_val_loss": val_loss_chain([_Whole(consensus_model(models))], val),
+        "consensus_val_loss": consensus,
         "bytes_per_replica": int(bytes_total),
         "mean_moment_lambda": round(statistics.fmean(lams), 4) if lams else None,
     }
@@ -845,7 +853,7 @@ def main(argv=None) -> int:
         "avg_seeds": list(range(args.seed, args.seed + max(1, args.avg_seeds))),
         "replica_data": "disjoint contiguous shards" if args.disjoint_shards else "independent samples of the corpus",
         "avg_correction": "first moments averaged on the same slice, delta scaled by beta^s (StalenessCorrection)",
-        "val_batches": args.val_batches, "seed": args.seed, "torch_threads": args.threads,
+        "val_batches": args.val_batches, "seed": args.seed, "torch_threads": args.threads, "device": args.device,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     print(json.dumps(out))

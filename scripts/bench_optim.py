@@ -62,6 +62,13 @@ STALL_RULE = (f"a run stalled if it did not diverge and its final validation los
               f"split with add-one smoothing, on the same validation batches) by at least {STALL_MARGIN} nats")
 
 
+DEVICE = torch.device("cpu")  # --device: where every run trains (bf16 autocast on CUDA)
+
+
+def amp():
+    return torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16, enabled=DEVICE.type == "cuda")
+
+
 def base_manifest(args):
     m = load_manifest("default")
     n = args.layers
@@ -77,7 +84,8 @@ def base_manifest(args):
 
 @torch.no_grad()
 def evaluate(model, batches) -> float:
-    losses = [float(lm_loss(model(x), x)) for x in batches]
+    with amp():
+        losses = [float(lm_loss(model(x), x)) for x in batches]
     return sum(losses) / len(losses)
 
 
@@ -121,7 +129,7 @@ def _split_aux(opt, model, scale: float):
 def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_every: int = 0,
           ramp_steps: int | None = None, aux_lr: float | None = None, seed: int = 0) -> dict:
     torch.manual_seed(seed)
-    model = build_model(manifest)
+    model = build_model(manifest).to(DEVICE)
     arch = ArchWarmup(manifest, model, ramp_steps=ramp_steps) if warmup else None
     opt = build_optimizer(manifest, model, total_steps=steps)
     if aux_lr is not None:
@@ -133,7 +141,7 @@ def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_
     # eigenvector on such rows, λ ≈ 4e5 vs 700 unpreconditioned), yet Adam does not move them.
     params = dict(model.named_parameters())
     block_params = [params[n] for n in hidden_matrix_names(model)]
-    probe = batches.batch(10**6)
+    probe = batches.batch(10**6).to(DEVICE)
     tracker = SharpnessTracker(block_params, max_iters=5) if sharpness_every else None
     losses, sharp, unlocked = [], [], []
     t0 = time.perf_counter()
@@ -144,8 +152,9 @@ def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_
             if new:
                 unlocked.append([step, new])
         set_lr(opt, lr_at(manifest.schedule, manifest.optim.lr, step))
-        x = next(batches)
-        loss = lm_loss(model(x), x)
+        x = next(batches).to(DEVICE, non_blocking=True)
+        with amp():
+            loss = lm_loss(model(x), x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
@@ -186,7 +195,7 @@ def unigram_loss(train_tokens: torch.Tensor, val, vocab_size: int = 256) -> floa
     """Validation loss of the unigram predictor (``STALL_RULE``), averaged like ``evaluate``."""
     counts = torch.bincount(train_tokens.long().flatten(), minlength=vocab_size).double() + 1.0
     logp = (counts / counts.sum()).log()
-    return float(sum(float(-logp[x[:, 1:]].mean()) for x in val) / len(val))
+    return float(sum(float(-logp[x[:, 1:].cpu()].mean()) for x in val) / len(val))
 
 
 def r4(x: float) -> float | None:
@@ -223,7 +232,7 @@ def warmup_experiment(args, corpus) -> dict:
     m = warmup_manifest(args)
     steps = args.warmup_run_steps
     layers = m.model.n_layers
-    val = val_batches(corpus.val, args.batch, args.seq_len, args.val_batches)
+    val = [v.to(DEVICE) for v in val_batches(corpus.val, args.batch, args.seq_len, args.val_batches)]
     unigram = unigram_loss(corpus.train, val, m.model.vocab_size)
     groups, unlock = default_warmup_schedule(layers, args.warmup_lr_warmup, args.unlock_every,
                                              n_groups=args.warmup_groups, keep_every=args.warmup_keep_every)
@@ -367,6 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sharpness-every", type=int, default=25)
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
     ap.add_argument("--only", choices=["optim", "warmup"], default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -376,11 +386,13 @@ def main(argv=None) -> int:
         args.warmup_d_model, args.warmup_layers, args.warmup_k, args.lr_sweep = 32, 4, 4, "0.1,0.3"
         args.warmup_keep_every, args.warmup_groups = 2, 4
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     t_start = time.perf_counter()
 
     m = base_manifest(args)
     corpus = load_corpus(m.data)
-    val = val_batches(corpus.val, args.batch, args.seq_len, args.val_batches)
+    val = [v.to(DEVICE) for v in val_batches(corpus.val, args.batch, args.seq_len, args.val_batches)]
     out: dict = {}
     runs = {}
     if args.only in (None, "optim"):
@@ -428,7 +440,7 @@ def main(argv=None) -> int:
                      "P = diag(sqrt(v_hat)+eps) of AdamW; 5 HVPs per measurement, warm-started, Lanczos "
                      "(Rayleigh-Ritz) over the power-iteration Krylov space",
         "quick": args.quick,
-        "threads": args.threads,
+        "threads": args.threads, "device": str(DEVICE),
         "total_wall_s": round(time.perf_counter() - t_start, 1),
     }
     print(json.dumps(out))

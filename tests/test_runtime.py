@@ -10,7 +10,6 @@ dead next hop, skip propagation, verifier rejects and bans, state sync, checkpoi
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import threading
 import time
@@ -19,12 +18,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from node.memnet import MemTransport, Net, buffers_of, frame_of
 from node.metrics import NodeMetrics
-from node.p2p import BWD, FWD, PeerBusy, PeerRejected, PeerUnreachable
+from node.p2p import BWD, FWD, PeerBusy, PeerRejected
 from node.routing import Router
 from node.runtime import ComputeWorker, QueueFull, RuntimeOptions, StageRuntime
-from protocol.frames import FrameDecoder, ProtocolError, Reason, encode_frame
-from protocol.messages import make_fwd, make_reject
+from protocol.frames import Reason
+from protocol.messages import make_fwd
 from stages.model import build_stage
 from stages.optim import build_optimizer
 
@@ -41,86 +41,6 @@ def one_torch_thread():
 
 
 # ---------------------------------------------------------------- test doubles
-
-
-def _frame_of(buffers, limits=None):
-    data = b"".join(bytes(memoryview(b)) for b in buffers)
-    frames = FrameDecoder(limits).feed(data)
-    assert len(frames) == 1
-    return frames[0]
-
-
-def _buffers(header, tensors=()):
-    if isinstance(header, list):
-        return header
-    return encode_frame(header, list(tensors))
-
-
-class Net:
-    def __init__(self):
-        self.peers: dict[str, MemTransport] = {}
-
-
-class MemTransport:
-    """node.p2p.Transport's interface over memory: same frames, same exceptions."""
-
-    def __init__(self, net: Net, peer_id: str):
-        self.net, self.peer_id = net, peer_id
-        self.handlers, self.stream_handlers, self.limits = {}, {}, {}
-        self.down = False  # an unreachable peer (kill -9)
-        self.sent: list[tuple[str, str, dict]] = []
-        self.undialled: set[str] = set()  # peers whose (new) address this transport does not know
-        self.dialled: list[str] = []
-        net.peers[peer_id] = self
-
-    async def serve(self, protocol_id, handler, *, limits=None):
-        self.handlers[protocol_id] = handler
-        self.limits[protocol_id] = limits
-
-    async def serve_stream(self, protocol_id, handler, *, limits=None):
-        self.stream_handlers[protocol_id] = handler
-        self.limits[protocol_id] = limits
-
-    def _target(self, peer):
-        t = self.net.peers.get(peer)
-        if t is None or t.down or self.down or peer in self.undialled:
-            raise PeerUnreachable(f"cannot reach {peer}")
-        return t
-
-    async def connect(self, maddr, timeout=10):
-        """Like p2pd learning a peer's new address: ``undialled`` peers become reachable."""
-        peer = maddr.rsplit("/p2p/", 1)[-1]
-        self.dialled.append(maddr)
-        if peer not in self.net.peers or self.net.peers[peer].down:
-            raise PeerUnreachable(f"cannot dial {maddr}")
-        self.undialled.discard(peer)
-        return peer
-
-    async def request(self, peer, protocol_id, header, tensors=(), *, timeout):
-        target = self._target(peer)
-        try:
-            frame = _frame_of(_buffers(header, tensors), target.limits.get(protocol_id))
-        except ProtocolError as e:
-            raise PeerRejected(e.reason.value, e.detail) from None
-        self.sent.append((peer, protocol_id, dict(frame.header)))
-        try:
-            reply = target.handlers[protocol_id](frame, self.peer_id)
-            if inspect.isawaitable(reply):
-                reply = await asyncio.wait_for(reply, timeout)
-        except ProtocolError as e:
-            reply = make_reject(e.reason, e.detail)
-        reply = _frame_of(_buffers(*reply) if isinstance(reply, tuple) else reply)
-        if reply.header["type"] == "reject":
-            if reply.header["reason"] == "busy":
-                raise PeerBusy(reply.header.get("detail", ""))
-            raise PeerRejected(reply.header["reason"], reply.header.get("detail", ""))
-        return reply
-
-    async def request_stream(self, peer, protocol_id, header, tensors=(), *, timeout):
-        target = self._target(peer)
-        frame = _frame_of(_buffers(header, tensors))
-        async for reply in target.stream_handlers[protocol_id](frame, self.peer_id):
-            yield _frame_of(reply)
 
 
 @dataclass
@@ -713,7 +633,7 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
 
     async def spy(peer, protocol, frames, *a, **kw):  # the body's outgoing fwds
         if protocol == FWD:
-            sent.append(_frame_of(_buffers(frames)).header.get("horizon_s"))
+            sent.append(frame_of(buffers_of(frames)).header.get("horizon_s"))
         return await orig(peer, protocol, frames, *a, **kw)
 
     body.transport.request = spy
