@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -67,14 +68,15 @@ def make_manifest(args):
     m = load_manifest("test" if args.quick else args.manifest)
     model = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers),
                                ("n_heads", args.n_heads), ("seq_len", args.seq_len)) if v}
-    if model:
-        m = m.replace(model=model)
-    if args.n_layers:
-        S, n = m.n_stages, m.model.n_layers
+    changes: dict = {"model": model} if model else {}
+    if args.n_layers:  # the same number of stages, the layers split evenly (one replace: validated together)
+        S, n = m.n_stages, args.n_layers
         if S > n:
             raise SystemExit(f"--n-layers {n} is fewer than the manifest's {S} stages")
         cuts = [round(i * n / S) for i in range(S + 1)]
-        m = m.replace(stages={"layout": [[cuts[i], cuts[i + 1]] for i in range(S)]})
+        changes["stages"] = {"layout": [[cuts[i], cuts[i + 1]] for i in range(S)]}
+    if changes:
+        m = m.replace(**changes)
     if args.batch_size:
         m = m.replace(data={"batch_size": args.batch_size})
     return m
@@ -123,7 +125,6 @@ async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
     from node.daemon import make_verifier
     from node.demo import metric_sum, parse_metrics
     from node.memnet import MemTransport, Net
-    from node.membership import PeerRecord
     from node.metrics import NodeMetrics
     from node.routing import Router
     from node.runtime import RuntimeOptions, StageRuntime
@@ -145,7 +146,9 @@ async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
             peer_id=peer, device=device, options=RuntimeOptions(use_amp=device.type == "cuda"),
             batches=batches, rng=random.Random(m.run.seed + i),
         ))
-    records = [PeerRecord(rt.peer_id, rt.index, "online") for rt in rts]
+    # what a DHT record carries, without node.membership (it imports hivemind, which a GPU box may lack)
+    records = [SimpleNamespace(peer_id=rt.peer_id, stage=rt.index, state="online", throughput=0.0, capacity=None,
+                               queue=0, version=0, maddrs=[]) for rt in rts]
     for rt in rts:
         rt.router.update(records)
         await rt.start()

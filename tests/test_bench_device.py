@@ -48,3 +48,21 @@ def test_a_device_that_is_not_here_is_refused_clearly():
     assert "CUDA is not available here" in proc.stderr or "CUDA device(s) visible" in proc.stderr
     proc = _run("--parts", "reference,nonsense", timeout=60)
     assert proc.returncode != 0 and "unknown ['nonsense']" in proc.stderr
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_device", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_deeper_model_is_split_evenly_over_the_manifests_stages():
+    bd = _bench_module()
+    m = bd.make_manifest(bd.parse_args(["--quick", "--n-layers", "7", "--d-model", "32", "--batch-size", "3"]))
+    assert m.model.n_layers == 7 and m.model.d_model == 32 and m.data.batch_size == 3
+    assert [list(x) for x in m.stages.layout] == [[0, 2], [2, 5], [5, 7]]
+    with pytest.raises(SystemExit, match="fewer than the manifest's 3 stages"):
+        bd.make_manifest(bd.parse_args(["--quick", "--n-layers", "2"]))
