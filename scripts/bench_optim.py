@@ -169,6 +169,10 @@ def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_
             sharp.append([step + 1, round(s, 2)])
     wall = time.perf_counter() - t0
     final = float("nan") if diverged else evaluate(model, val)
+    # one line per run on stderr: a run cut short by a time limit still leaves what it had done
+    print(f"[bench_optim] {manifest.optim.name} lr {manifest.optim.lr:g} seed {seed} warm-up {warmup}: "
+          f"{len(losses)} steps in {wall:.1f}s, final val {final:.4f}, spikes {spike_steps(losses)}",
+          file=sys.stderr, flush=True)
     return {"model": model, "losses": losses, "val_loss": final, "diverged": diverged or not math.isfinite(final),
             "sharpness": sharp, "unlocked": unlocked, "wall_s": round(wall, 1)}
 
