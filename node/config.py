@@ -60,7 +60,7 @@ class NodeConfig:
     allow_attacks: bool = False
     seed: int = 0  # local randomness (microbatch ids, routing ties); 0: from the OS
     averaging: bool = True  # background sparse averaging with the other replicas of our stage
-    json_log: str = ""  # append one JSON object per optimizer step (step, time, tokens, loss) here
+    json_log: str = ""  # append one JSON object per optimizer step (step, time, tokens, loss, look-ahead) here
 
     def stage_index(self) -> int | None:
         """``None`` for ``auto``, else the forced stage index."""
@@ -98,7 +98,7 @@ _HELP = {
     "allow_attacks": "TESTING ONLY: permit --attack",
     "seed": "local random seed for microbatch ids and routing ties (0: from the OS)",
     "averaging": "average a slice of the weights with the other replicas of this stage (AsyncMesh)",
-    "json_log": "append one JSON object per optimizer step (step, time, tokens, loss on the tail) to this file",
+    "json_log": "append one JSON object per optimizer step (step, time, tokens, loss on the tail, look-ahead) to this file",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}

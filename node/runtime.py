@@ -859,6 +859,20 @@ class StageRuntime:
         if self.policy.backward_done():
             self._step()
 
+    def _lookahead_record(self) -> dict:
+        """For the per-step JSON log (``--json-log``): how far ahead the next forward looks (its
+        own steps), the received horizon (seconds), this stage's step period, and ‖Ŵ − W‖ of the
+        weights the next forward will use (computed here once per version, as that forward would)."""
+        w = self.la.weights()
+        dist = None
+        if w.tensors is not None:
+            live = dict(self.stage.named_parameters())
+            sq = sum(float((t.float() - live[n].detach().float()).square().sum()) for n, t in w.tensors.items()
+                     if n in live)
+            dist = round(math.sqrt(sq), 6)
+        return {"lookahead_steps": round(w.tau_hat, 4), "horizon_s": self.horizon_s,
+                "period_s": self.clock.period, "lookahead_dist": dist}
+
     def _step(self) -> None:
         if self._accum == 0:
             return
@@ -896,7 +910,7 @@ class StageRuntime:
         self.metrics.version.set(v)
         if self.step_log is not None:
             rec = {"step": v, "time": time.time(), "stage": self.index, "tokens": self._tokens_total,
-                   "loss": self.last_loss if self.is_tail else None}
+                   "loss": self.last_loss if self.is_tail else None, **self._lookahead_record()}
             self.step_log.write(json.dumps(rec) + "\n")
             self.step_log.flush()
         if self.is_tail and self.last_loss is not None and (v == 1 or v % max(1, self.m.train.log_every) == 0):

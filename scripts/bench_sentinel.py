@@ -560,8 +560,12 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     t0 = time.monotonic()
     with LocalSwarm(str(path), workdir=workdir) as sw:
         sw.start_bootstrap()
-        nodes = [sw.start_node(0, "head"), *(sw.start_node(1, f"body{i}") for i in range(args.clean_replicas)),
-                 sw.start_node(2, "tail")]
+        # each node's per-step JSON log (look-ahead steps and distance, step period) beside its
+        # stderr log: what a replica's weights did when a verifier flagged it
+        def start(stage: int, name: str):
+            return sw.start_node(stage, name, extra=["--json-log", str(workdir / f"{name}.steps.jsonl")])
+
+        nodes = [start(0, "head"), *(start(1, f"body{i}") for i in range(args.clean_replicas)), start(2, "tail")]
         sw.wait_ready(timeout=180)
         deadline = time.monotonic() + 60 + 10 * args.clean_steps
         bodies, gap_max = nodes[1:-1], 0

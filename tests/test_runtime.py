@@ -478,6 +478,36 @@ async def test_a_banned_reply_from_the_next_stage_starts_the_resync(test_manifes
         await stop_all([head, body, tail])
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("horizon", ["pipeline", "stage"])
+async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, horizon):
+    """``--json-log``: one JSON object per optimizer step, with the look-ahead the next forward
+    uses (own steps), the step period, and the distance of those weights from the live ones."""
+    import io
+    import json
+
+    m = test_manifest.replace(schedule={"warmup_steps": 2}, asyncmesh={"lookahead_horizon": horizon})
+    net = Net()
+    rts = [make_runtime(m, 0, "head", net, batches=head_batches(m), steps=20),
+           make_runtime(m, 1, "body", net), make_runtime(m, 2, "tail", net)]
+    logs = [io.StringIO() for _ in rts]
+    for rt, f in zip(rts, logs):
+        rt.step_log = f
+    await train_until(rts, 20)
+    recs = [[json.loads(line) for line in f.getvalue().splitlines()] for f in logs]
+    for rt, rs in zip(rts, recs):
+        assert [r["step"] for r in rs] == list(range(1, len(rs) + 1)) and len(rs) >= 20
+        assert all(r["stage"] == rt.index for r in rs)
+        assert rs[-1]["period_s"] > 0 and all(r["lookahead_dist"] >= 0 for r in rs)
+    for rs in recs[:2]:  # head and body wait for gradients: they look ahead, their weights move
+        assert max(r["lookahead_steps"] for r in rs) > 0 and max(r["lookahead_dist"] for r in rs) > 0
+    body_horizon, tail = recs[1][-1]["horizon_s"], recs[2]
+    if horizon == "pipeline":  # every stage looks ahead by the head's horizon, sent in seconds
+        assert body_horizon > 0 and max(r["lookahead_dist"] for r in tail) > 0
+    else:  # own delays only: the tail's gradient is immediate, nothing to look ahead for
+        assert body_horizon is None and all(r["lookahead_dist"] == 0 for r in tail)
+
+
 def test_checkpoint_state_round_trip(test_manifest, tmp_path):
     from node.checkpoint import load_latest_checkpoint, save_checkpoint
 
