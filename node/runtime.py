@@ -862,7 +862,8 @@ class StageRuntime:
     def _lookahead_record(self) -> dict:
         """For the per-step JSON log (``--json-log``): how far ahead the next forward looks (its
         own steps), the received horizon (seconds), this stage's step period, and ‖Ŵ − W‖ of the
-        weights the next forward will use (computed here once per version, as that forward would)."""
+        weights the next forward will use (computed here once per version, as that forward would;
+        so it must run after everything that changes the weights at this step, averaging included)."""
         w = self.la.weights()
         dist = None
         if w.tensors is not None:
@@ -908,11 +909,6 @@ class StageRuntime:
                 log.info("architecture warm-up: unlocked layers %s at step %d", unlocked, v)
         self.metrics.steps.inc()
         self.metrics.version.set(v)
-        if self.step_log is not None:
-            rec = {"step": v, "time": time.time(), "stage": self.index, "tokens": self._tokens_total,
-                   "loss": self.last_loss if self.is_tail else None, **self._lookahead_record()}
-            self.step_log.write(json.dumps(rec) + "\n")
-            self.step_log.flush()
         if self.is_tail and self.last_loss is not None and (v == 1 or v % max(1, self.m.train.log_every) == 0):
             log.info("step %d loss %.4f (ema %.4f) %.0f tokens/s", v, self.last_loss, self._loss_ema,
                      self.tokens_per_s())
@@ -923,6 +919,11 @@ class StageRuntime:
                 log.warning("averaging skipped at step %d: %r", v, e)
         if self.checkpointer is not None and self.checkpoint_every and v % self.checkpoint_every == 0:
             self.checkpointer(v, *self.checkpoint_state())
+        if self.step_log is not None:  # last: the look-ahead weights it computes include any average applied above
+            rec = {"step": v, "time": time.time(), "stage": self.index, "tokens": self._tokens_total,
+                   "loss": self.last_loss if self.is_tail else None, **self._lookahead_record()}
+            self.step_log.write(json.dumps(rec) + "\n")
+            self.step_log.flush()
 
     def _dropped_step(self) -> None:
         """Worker: a microbatch will never bring a gradient; the step policy counts it (GPipe flush)."""

@@ -49,6 +49,7 @@ import argparse
 import collections
 import json
 import math
+import shlex
 import statistics
 import signal
 import sys
@@ -117,6 +118,9 @@ def parse_args(argv=None):
     ap.add_argument("--clean-horizons", default="",
                     help="--part clean: comma list of asyncmesh.lookahead_horizon values, one run each, "
                     "a repeated value another run (keys pipeline, pipeline#2, ...; default: the manifest's own)")
+    ap.add_argument("--clean-node-args", default="",
+                    help="--part clean: extra arguments for every node (e.g. '--no-averaging'), to find what "
+                    "a false positive depends on")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (with more, the verifier's small ops are ~20x slower "
                     "on an oversubscribed CPU: spinning OpenMP workers)")
@@ -563,7 +567,8 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
         # each node's per-step JSON log (look-ahead steps and distance, step period) beside its
         # stderr log: what a replica's weights did when a verifier flagged it
         def start(stage: int, name: str):
-            return sw.start_node(stage, name, extra=["--json-log", str(workdir / f"{name}.steps.jsonl")])
+            return sw.start_node(stage, name, extra=["--json-log", str(workdir / f"{name}.steps.jsonl"),
+                                                     *shlex.split(args.clean_node_args)])
 
         nodes = [start(0, "head"), *(start(1, f"body{i}") for i in range(args.clean_replicas)), start(2, "tail")]
         sw.wait_ready(timeout=180)
@@ -583,6 +588,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     out["body_step_gap_max"] = gap_max
     out["loss_ema"] = metrics["tail"].get("swarm_node_loss_ema")
     out["settings"] = {"manifest": args.real_manifest, "lookahead_horizon": m.asyncmesh.lookahead_horizon,
+                       "node_args": args.clean_node_args,
                        "replicas": args.clean_replicas, "steps": args.clean_steps,
                        "sentinel": {"warmup": m.sentinel.warmup, "kappa": m.sentinel.kappa,
                                     "flags_to_ban": m.sentinel.flags_to_ban},

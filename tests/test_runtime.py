@@ -493,6 +493,15 @@ async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, ho
     logs = [io.StringIO() for _ in rts]
     for rt, f in zip(rts, logs):
         rt.step_log = f
+
+    class Spy:  # an averager that only notes whether the step's look-ahead weights exist yet
+        cached_at_average: list = []
+
+        def maybe_average(self, v):
+            cached = rts[1].la._cached
+            self.cached_at_average.append(cached is None or cached.version != v)
+
+    spy = rts[1].averager = Spy()  # logging must not compute them before an average is applied
     await train_until(rts, 20)
     recs = [[json.loads(line) for line in f.getvalue().splitlines()] for f in logs]
     for rt, rs in zip(rts, recs):
@@ -501,6 +510,7 @@ async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, ho
         assert rs[-1]["period_s"] > 0 and all(r["lookahead_dist"] >= 0 for r in rs)
     for rs in recs[:2]:  # head and body wait for gradients: they look ahead, their weights move
         assert max(r["lookahead_steps"] for r in rs) > 0 and max(r["lookahead_dist"] for r in rs) > 0
+    assert all(spy.cached_at_average) and len(spy.cached_at_average) >= 20
     body_horizon, tail = recs[1][-1]["horizon_s"], recs[2]
     if horizon == "pipeline":  # every stage looks ahead by the head's horizon, sent in seconds
         assert body_horizon > 0 and max(r["lookahead_dist"] for r in tail) > 0
