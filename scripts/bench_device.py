@@ -183,14 +183,13 @@ async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
         rej = metric_sum(mt, "swarm_node_verifier_verdicts_total", verdict="reject")
         judged, rejected = judged + acc + rej, rejected + rej
         bans += metric_sum(mt, "swarm_node_bans_total")
-    ok = [math.isfinite(x) for x in losses]
     return {
         "seconds": round(t1 - t0, 1),
         "tail_steps": v1 - v0,
         "tokens_per_s": round(tokens / (t1 - t0), 1) if t1 > t0 else None,
         "loss_first10": round(statistics.fmean(losses[:10]), 4) if len(losses) >= 10 else None,
         "loss_last10": round(statistics.fmean(losses[-10:]), 4) if len(losses) >= 10 else None,
-        "losses_finite": all(ok),
+        "losses_finite": all(math.isfinite(x) for x in losses),
         "verifier_judged": int(judged),
         "verifier_rejected": int(rejected),
         "bans": int(bans),
