@@ -36,6 +36,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from node.routing import announced_rate
 from stages.manifest import (
     PROTOCOL_VERSION,
     Manifest,
@@ -300,7 +301,7 @@ def choose_stage(records: list[PeerRecord], n_stages: int) -> int:
     count = [0] * n_stages
     for r in records:
         if r.state in ("joining", "online") and 0 <= r.stage < n_stages:
-            tput[r.stage] += r.throughput if r.capacity is None else r.capacity
+            tput[r.stage] += announced_rate(r)
             count[r.stage] += 1
     return min(range(n_stages), key=lambda s: (tput[s], count[s], s))
 

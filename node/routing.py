@@ -64,6 +64,13 @@ class CapacityMeter:
         return (tok1 - tok0) / busy if busy > 0 else 0.0
 
 
+def announced_rate(rec) -> float:
+    """What a replica is weighed by (by routers and ``--stage auto``): its announced capacity (0
+    while it has not measured one); its throughput if its record has no capacity field (an older
+    peer). ``rec``: a ``PeerState`` or a ``membership.PeerRecord``."""
+    return rec.throughput if rec.capacity is None else rec.capacity
+
+
 @dataclass
 class PeerState:
     peer_id: str
@@ -148,14 +155,8 @@ class Router:
 
     # ---- choice
 
-    @staticmethod
-    def rate(p: PeerState) -> float:
-        """What a replica is weighed by: its announced capacity (0 while it has not measured one);
-        its throughput if its record has no capacity field (an older peer)."""
-        return p.throughput if p.capacity is None else p.capacity
-
     def score(self, p: PeerState, typical: float) -> float:
-        capacity = self.rate(p) or typical
+        capacity = announced_rate(p) or typical
         return (p.queue + p.outstanding + 1) / max(capacity, 1e-9)
 
     def choose(self, stage: int, exclude=()) -> str | None:
@@ -163,7 +164,7 @@ class Router:
         cands = [p for p in self.stage_peers(stage) if p.peer_id not in exclude]
         if not cands:
             return None
-        rates = [r for r in map(self.rate, self.stage_peers(stage, include_banned=True)) if r > 0]
+        rates = [r for r in map(announced_rate, self.stage_peers(stage, include_banned=True)) if r > 0]
         typical = statistics.median(rates) if rates else 1.0
         scored = [(self.score(p, typical), self.rng.random(), p.peer_id) for p in cands]
         return min(scored)[2]

@@ -74,7 +74,7 @@ from stages.asyncmesh import (  # noqa: E402
     snapshot,
 )
 from stages.data import Batches, load_corpus, val_batches  # noqa: E402
-from stages.manifest import load_manifest  # noqa: E402
+from stages.manifest import even_layout, load_manifest  # noqa: E402
 from stages.model import build_model, build_stage, count_parameters, lm_loss  # noqa: E402
 from stages.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 
@@ -181,10 +181,8 @@ def make_manifest(args):
     n, S = m.model.n_layers, args.stages
     if S > n:
         raise SystemExit(f"--stages {S} exceeds the model's {n} layers")
-    cuts = [round(i * n / S) for i in range(S + 1)]
-    layout = [[cuts[i], cuts[i + 1]] for i in range(S)]
     return m.replace(
-        stages={"layout": layout},
+        stages={"layout": even_layout(n, S)},
         optim={"name": args.optim, "lr": args.lr, "betas": [args.beta1, args.beta2]},
         schedule={"total_steps": args.steps, "warmup_steps": max(1, args.steps // 20)},
         data={"batch_size": args.batch_size},

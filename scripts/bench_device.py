@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_manifest(args):
-    from stages.manifest import load_manifest
+    from stages.manifest import even_layout, load_manifest
 
     m = load_manifest("test" if args.quick else args.manifest)
     model = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers),
@@ -73,8 +73,7 @@ def make_manifest(args):
         S, n = m.n_stages, args.n_layers
         if S > n:
             raise SystemExit(f"--n-layers {n} is fewer than the manifest's {S} stages")
-        cuts = [round(i * n / S) for i in range(S + 1)]
-        changes["stages"] = {"layout": [[cuts[i], cuts[i + 1]] for i in range(S)]}
+        changes["stages"] = {"layout": even_layout(n, S)}
     if changes:
         m = m.replace(**changes)
     if args.batch_size:

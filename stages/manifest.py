@@ -92,6 +92,14 @@ class StagesConfig:
         return len(self.layout)
 
 
+def even_layout(n_layers: int, n_stages: int) -> list[list[int]]:
+    """``stages.layout`` splitting ``n_layers`` over ``n_stages`` as evenly as rounding allows."""
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers over {n_stages} stages")
+    cuts = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
+    return [[cuts[i], cuts[i + 1]] for i in range(n_stages)]
+
+
 # Betas an optimizer gets when the manifest omits them. NAdam (the default pipeline optimizer,
 # papers.md §2) uses a long first-moment memory, 0.99: under asynchronous stale gradients the
 # momentum averages over the delay; AdamW/Adam keep the short-run LM defaults 0.9, 0.95. The

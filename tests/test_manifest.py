@@ -80,3 +80,13 @@ def test_hash_is_canonical_and_names_differences(default_manifest):
 def test_defaults_construct():
     m = Manifest()
     assert m.k == m.model.d_model // m.subspace.compression_rate
+
+
+def test_even_layout_splits_layers_over_stages_by_rounding():
+    from stages.manifest import even_layout
+
+    assert even_layout(6, 3) == [[0, 2], [2, 4], [4, 6]]
+    assert even_layout(7, 3) == [[0, 2], [2, 5], [5, 7]]
+    assert even_layout(3, 1) == [[0, 3]]
+    with pytest.raises(ValueError, match="cannot split 2 layers over 3 stages"):
+        even_layout(2, 3)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from node.routing import CapacityMeter, Router
+from node.routing import CapacityMeter, Router, announced_rate
 
 
 @dataclass
@@ -189,13 +189,13 @@ def test_capacity_outranks_throughput():
     assert r.choose(1) == "b"  # (0+1)/500 < (1+1)/500; by throughput a would win: 2/300 < 1/100
     # an older peer announcing only throughput is weighed by it, and sets the stage median too
     r, _ = make([Rec("a", 1, capacity=400), Rec("old", 1, throughput=100), Rec("new", 1)])
-    assert r.rate(r.peers["old"]) == 100 and r.rate(r.peers["a"]) == 400
+    assert announced_rate(r.peers["old"]) == 100 and announced_rate(r.peers["a"]) == 400
     assert r.choose(1) == "a"  # new: median 250 -> 1/250; a: 1/400
     # a replica that has not measured its capacity yet (capacity 0) gets the median even if it
     # has trained a little: its throughput of those few tokens would starve it
     r, _ = make([Rec("a", 1, capacity=400, throughput=400, queue=1), Rec("b", 1, capacity=400, throughput=400, queue=1),
                  Rec("new", 1, capacity=0.0, throughput=5, queue=1)])
-    assert r.rate(r.peers["new"]) == 0
+    assert announced_rate(r.peers["new"]) == 0
     picks = [r.choose(1) for _ in range(30)]
     assert picks.count("new") > 0  # tied with a and b at the median, not ranked 80x behind
 

@@ -495,7 +495,8 @@ async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, ho
         rt.step_log = f
 
     class Spy:  # an averager that only notes whether the step's look-ahead weights exist yet
-        cached_at_average: list = []
+        def __init__(self):
+            self.cached_at_average = []
 
         def maybe_average(self, v):
             cached = rts[1].la._cached
