@@ -14,16 +14,22 @@ Prints ONE JSON object:
   (baseline), on a deeper, narrower model: d=32, 24 layers, **post-norm** blocks by default
   (``model.block_norm = "post"``, which needs a dense run: ``subspace.enabled = false``;
   ``--warmup-block-norm pre`` gives the Subspace pre-norm model, k = 4) and no LR warm-up in
-  either run (papers §5: arch warm-up can replace it). The peak ``lr`` is chosen by a sweep on
-  the baseline only (``how_lr_chosen``, ``lr_sweep``), then both are run on every seed.
+  either run (papers §5: arch warm-up can replace it). ``--warmup-preset wide`` is the GPU
+  setting: d=256, 50 LR warm-up steps, 400 steps, batch 16 x 128 (the baseline blows up after
+  the LR peak, docs/TRAINING.md). The peak ``lr`` is chosen by a sweep on the baseline only
+  (``how_lr_chosen``, ``lr_sweep``): the smallest lr at which it fails to train on every seed
+  (``settings.fail_rule``), then both are run on every seed.
   ``baseline_spikes`` / ``warmup_spikes`` (spike events of the training loss summed over seeds,
   definition in ``settings.spike_rule``), ``baseline_stalled`` / ``warmup_stalled`` (seeds whose
   run ended no better than the unigram predictor, ``settings.stall_rule``, ``unigram_val_loss``),
+  ``baseline_unrecovered_spikes`` / ``warmup_unrecovered_spikes`` (seeds with a spike event not
+  recovered from within 50 steps), ``baseline_failed`` / ``warmup_failed`` (seeds that failed to
+  train: diverged, stalled or unrecovered),
   ``baseline_final`` / ``warmup_final`` (mean final validation loss over seeds; null if a run
   diverged), ``max_sharpness`` (largest preconditioned sharpness λ_max(P^{-1/2} H P^{-1/2})
   measured every ``sharpness_every`` steps, P from AdamW's v), the adaptive edge-of-stability
   bound at the peak lr, ``per_seed`` details and the settings.
-- ``settings``: the optimizer comparison's model, steps, tokens, lrs; the spike and stall rules; timings.
+- ``settings``: the optimizer comparison's model, steps, tokens, lrs; the spike, stall and fail rules; timings.
 
 The optimizer comparison uses a deeper, narrower variant of the default model (d=48, 16 layers,
 Subspace writers with k = 6, the default peri-norm blocks) on the default stdlib corpus.
@@ -89,12 +95,21 @@ def evaluate(model, batches) -> float:
     return sum(losses) / len(losses)
 
 
-def spike_steps(losses: list[float]) -> list[int]:
-    """Steps at which a spike event starts (``SPIKE_RULE``)."""
-    spikes, inside, ref = [], False, None
+RECOVER_STEPS = 50
+FAIL_RULE = (f"a run failed to train if it diverged (non-finite loss), stalled (stall_rule), or had a spike "
+             f"event it did not recover from within {RECOVER_STEPS} steps (the training loss not back below 1.05x "
+             f"the median it jumped from); a spike event the run recovered from (one hard batch) does not count")
+
+
+def spike_events(losses: list[float]) -> list[tuple[int, int | None]]:
+    """Spike events (``SPIKE_RULE``): ``(start step, steps until recovered)``, the second None
+    for an event still open when the run ended (the loss never came back below 1.05x the median
+    it jumped from) or ended by a non-finite loss."""
+    events: list[tuple[int, int | None]] = []
+    inside, ref = False, None
     for i, loss in enumerate(losses):
         if not math.isfinite(loss):
-            return spikes + [i]
+            return events if inside else events + [(i, None)]
         if i < 5:
             continue
         prev = sorted(losses[max(0, i - 10):i])
@@ -102,11 +117,32 @@ def spike_steps(losses: list[float]) -> list[int]:
         if inside:
             if loss < 1.05 * ref:
                 inside = False
+                events[-1] = (events[-1][0], i - events[-1][0])
             continue
         if loss > 1.2 * med and loss - med >= 0.3:
-            spikes.append(i)
+            events.append((i, None))
             inside, ref = True, med
-    return spikes
+    return events
+
+
+def unrecovered(losses: list[float]) -> bool:
+    """A spike event the run did not recover from within ``RECOVER_STEPS`` steps (``FAIL_RULE``),
+    or a non-finite loss. An event still open at the end but younger than that is not judged."""
+    n = len(losses)
+    diverged = n > 0 and not math.isfinite(losses[-1])
+    return diverged or any((d is None and n - start > RECOVER_STEPS) or (d is not None and d > RECOVER_STEPS)
+                           for start, d in spike_events(losses))
+
+
+def spike_steps(losses: list[float]) -> list[int]:
+    """Steps at which a spike event starts (``SPIKE_RULE``)."""
+    return [i for i, _ in spike_events(losses)]
+
+
+def failed(summary: dict) -> bool:
+    """A run failed to train (``FAIL_RULE``): it diverged, ended stalled, or had a spike event it
+    did not recover from. A spike the run came back from (one hard batch) is not a failure."""
+    return summary["diverged"] or summary["stalled"] or summary["unrecovered_spike"]
 
 
 def _split_aux(opt, model, scale: float):
@@ -171,7 +207,9 @@ def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_
     final = float("nan") if diverged else evaluate(model, val)
     # one line per run on stderr: a run cut short by a time limit still leaves what it had done
     print(f"[bench_optim] {manifest.optim.name} lr {manifest.optim.lr:g} seed {seed} warm-up {warmup}: "
-          f"{len(losses)} steps in {wall:.1f}s, final val {final:.4f}, spikes {spike_steps(losses)}",
+          f"{len(losses)} steps in {wall:.1f}s, final val {final:.4f}, spikes {spike_steps(losses)}, "
+          f"max train loss after step 5 {max(losses[5:], default=float('nan')):.2f}, "
+          f"max sharpness {max((s for _, s in sharp), default=float('nan')):.0f}",
           file=sys.stderr, flush=True)
     return {"model": model, "losses": losses, "val_loss": final, "diverged": diverged or not math.isfinite(final),
             "sharpness": sharp, "unlocked": unlocked, "wall_s": round(wall, 1)}
@@ -215,13 +253,13 @@ def warmup_manifest(args):
     m = base_manifest(ns)
     # post-norm rescales the whole stream (T[x] included): only a dense run can use it (manifest)
     return m.replace(model={"block_norm": args.warmup_block_norm},
-                     subspace={"enabled": args.warmup_block_norm != "post"})
+                     subspace={"enabled": args.warmup_block_norm != "post" and not args.warmup_dense})
 
 
 def _summary(r: dict, unigram: float) -> dict:
     stalled = not r["diverged"] and r["val_loss"] > unigram - STALL_MARGIN
     return {"spike_steps": spike_steps(r["losses"]), "final": r4(r["val_loss"]), "diverged": r["diverged"],
-            "stalled": stalled,
+            "stalled": stalled, "unrecovered_spike": unrecovered(r["losses"]),
             "max_sharpness": max((s for _, s in r["sharpness"]), default=None),
             "min_train_loss": r4(min(r["losses"])) if r["losses"] else None}
 
@@ -230,8 +268,8 @@ def warmup_experiment(args, corpus) -> dict:
     """Baseline (all blocks from step 0) vs architecture warm-up, same AdamW and LR schedule.
 
     The peak lr is swept upwards on the baseline only (every seed); the chosen lr is the smallest
-    one at which the baseline fails on every seed (a spike event, a divergence, or a stall:
-    ``STALL_RULE``), and only then is the warm-up run at that lr (so the choice never looks at
+    one at which the baseline fails to train on every seed (``FAIL_RULE``: a divergence, a stall,
+    or a spike event it does not recover from), and only then is the warm-up run at that lr (so the choice never looks at
     the warm-up's result). ``--high-lr`` skips the sweep."""
     m = warmup_manifest(args)
     steps = args.warmup_run_steps
@@ -267,17 +305,17 @@ def warmup_experiment(args, corpus) -> dict:
         for cand in lrs:
             rs = {sd: run(cand, sd, False) for sd in seeds}
             sweep[str(cand)] = {str(sd): _summary(r, unigram) for sd, r in rs.items()}
-            if all(x["spike_steps"] or x["diverged"] or x["stalled"] for x in sweep[str(cand)].values()):
+            if all(failed(x) for x in sweep[str(cand)].values()):
                 lr, base_runs = cand, rs
                 break
         if lr is None:
             lr, base_runs = lrs[-1], rs
-            how = (f"sweep {lrs} on the baseline, seeds {seeds}: the baseline failed (spike event, divergence "
-                   f"or stall) on every seed at none of them; the largest was used")
+            how = (f"sweep {lrs} on the baseline, seeds {seeds}: the baseline failed to train (fail_rule) on "
+                   f"every seed at none of them; the largest was used")
         else:
-            how = (f"the smallest peak lr of the sweep {lrs} at which the all-blocks baseline fails on every "
-                   f"seed {seeds}: a spike event, a divergence or a stall (spike_rule, stall_rule); sweep run "
-                   f"on the baseline only, upwards, stopped at the first such lr (lr_sweep)")
+            how = (f"the smallest peak lr of the sweep {lrs} at which the all-blocks baseline fails to train on "
+                   f"every seed {seeds}: a divergence, a stall or a spike event it does not recover from "
+                   f"(fail_rule); sweep run on the baseline only, upwards, stopped at the first such lr (lr_sweep)")
     warm_runs = {sd: run(lr, sd, True) for sd in seeds}
 
     def both(f) -> dict:
@@ -310,6 +348,10 @@ def warmup_experiment(args, corpus) -> dict:
         "warmup_diverged": any(x["diverged"] for x in w.values()),
         "baseline_stalled": sum(x["stalled"] for x in b.values()),
         "warmup_stalled": sum(x["stalled"] for x in w.values()),
+        "baseline_unrecovered_spikes": sum(x["unrecovered_spike"] for x in b.values()),
+        "warmup_unrecovered_spikes": sum(x["unrecovered_spike"] for x in w.values()),
+        "baseline_failed": sum(failed(x) for x in b.values()),
+        "warmup_failed": sum(failed(x) for x in w.values()),
         "unigram_val_loss": r4(unigram),
         "max_sharpness": {"baseline": max_sharp(b), "warmup": max_sharp(w)},
         "eos_bound_at_peak_lr": round(eos_bound(lr, o.betas[0]), 1),
@@ -338,9 +380,29 @@ def warmup_experiment(args, corpus) -> dict:
             "unlocked_at": warm_runs[seeds[0]]["unlocked"],
             "ramp_steps": args.ramp_steps,
             "sharpness_every": args.sharpness_every,
+            "preset": args.warmup_preset,
             "wall_s": both(lambda r: r["wall_s"]),
         },
     }
+
+
+# Named settings of the warm-up experiment (``--warmup-preset``). "wide": the setting where the
+# all-blocks post-norm baseline blows up at its peak lr and never recovers while the warm-up run
+# trains (docs/TRAINING.md, "The wide setting").
+WARMUP_PRESETS = {
+    "wide": {"warmup_d_model": 256, "warmup_layers": 24, "warmup_block_norm": "post", "warmup_keep_every": 8,
+             "warmup_groups": 7, "warmup_lr_warmup": 50, "warmup_run_steps": 400, "unlock_every": 40,
+             "sharpness_every": 100, "batch": 16, "seq_len": 128, "lr_sweep": "0.001,0.003,0.01"},
+}
+
+
+def parse_with_preset(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse ``argv``; a ``--warmup-preset`` supplies new defaults, explicit flags override them."""
+    first = ap.parse_args(argv)
+    if first.warmup_preset is None:
+        return first
+    ap.set_defaults(**WARMUP_PRESETS[first.warmup_preset])
+    return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -360,6 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-block-norm", choices=["peri", "pre", "post"], default="post",
                     help="warm-up experiment: model.block_norm (pre: standard pre-norm blocks; post: post-LN "
                          "blocks, which makes the warm-up model dense, subspace.enabled = false)")
+    ap.add_argument("--warmup-dense", action="store_true",
+                    help="warm-up experiment: a dense model (subspace.enabled = false) with peri- or pre-norm blocks "
+                         "too (post-norm blocks are always dense)")
     ap.add_argument("--warmup-lr-warmup", type=int, default=0,
                     help="warm-up experiment: LR warm-up steps of both runs (0: none; arch warm-up replaces it)")
     ap.add_argument("--warmup-weight-decay", type=float, default=0.1)
@@ -367,8 +432,8 @@ def main(argv=None) -> int:
                     help="warm-up experiment: peak lr of the embedding and LM head (default: the same lr as "
                          "the blocks), to test whether an instability comes from the blocks")
     ap.add_argument("--lr-sweep", default="0.003,0.01,0.03",
-                    help="peak lrs tried upwards on the baseline; the first at which it fails (spike, divergence "
-                         "or stall) on every seed is used")
+                    help="peak lrs tried upwards on the baseline; the first at which it fails to train on every "
+                         "seed (fail_rule: divergence, stall or a spike it does not recover from) is used")
     ap.add_argument("--high-lr", type=float, default=None, help="peak lr of the warm-up experiment (skips the sweep)")
     ap.add_argument("--seeds", default="0,1", help="warm-up experiment seeds (run.seed offsets: init and data order)")
     ap.add_argument("--unlock-every", type=int, default=20)
@@ -382,7 +447,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (bf16 autocast on CUDA)")
     ap.add_argument("--only", choices=["optim", "warmup"], default=None)
-    args = ap.parse_args(argv)
+    ap.add_argument("--warmup-preset", choices=sorted(WARMUP_PRESETS), default=None,
+                    help="warm-up experiment: a named setting (its values become the defaults; flags given "
+                         "on the command line still win). wide: d 256, post-norm, LR warm-up 50, 400 steps, "
+                         "batch 16 x 128 (docs/TRAINING.md; ~4 min on an H200, ~1.5 h on 2 CPU cores)")
+    args = parse_with_preset(ap, argv)
     if args.quick:
         args.steps, args.warmup_run_steps, args.d_model, args.layers = 12, 12, 32, 4
         args.k, args.seq_len, args.batch, args.lr_warmup = 4, 32, 4, 2
@@ -440,6 +509,7 @@ def main(argv=None) -> int:
         "hidden_matrices": "every >=2-D parameter but the embedding and LM head (Subspace writers: Z)",
         "spike_rule": SPIKE_RULE,
         "stall_rule": STALL_RULE,
+        "fail_rule": FAIL_RULE,
         "sharpness": "lambda_max(P^-1/2 H P^-1/2) over the blocks' matrices on a fixed training batch, "
                      "P = diag(sqrt(v_hat)+eps) of AdamW; 5 HVPs per measurement, warm-started, Lanczos "
                      "(Rayleigh-Ritz) over the power-iteration Krylov space",

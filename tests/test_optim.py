@@ -357,3 +357,61 @@ def test_bench_optim_quick():
                 "max_sharpness", "lr_sweep", "per_seed", "settings"):
         assert key in w
     assert out["settings"]["quick"] is True
+
+
+def _bench_optim():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_optim", ROOT / "scripts" / "bench_optim.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_failure_rule_tells_a_hard_batch_from_a_blow_up():
+    b = _bench_optim()
+    falling = [5.0 - 0.01 * i for i in range(300)]
+    # one hard batch: the loss jumps for one step and is back at once -> a spike event, no failure
+    hard = list(falling)
+    hard[120] = hard[119] + 1.5
+    assert b.spike_steps(hard) == [120]
+    assert b.spike_events(hard) == [(120, 1)]
+    assert not b.unrecovered(hard)
+    # a blow-up: the loss jumps by 1 nat and stays there -> unrecovered, the run failed
+    blown = falling[:60] + [falling[59] + 1.0] * 240
+    assert b.spike_steps(blown) == [60]
+    assert b.unrecovered(blown)
+    summary = {"diverged": False, "stalled": False, "unrecovered_spike": b.unrecovered(blown)}
+    assert b.failed(summary)
+    assert not b.failed(dict(summary, unrecovered_spike=False))
+    assert b.failed(dict(summary, unrecovered_spike=False, stalled=True))
+    # the same jump 20 steps before the end cannot be judged yet
+    late = falling[:280] + [falling[279] + 1.0] * 20
+    assert b.spike_steps(late) == [280] and not b.unrecovered(late)
+    # recovered, but only after more than RECOVER_STEPS steps: a failure
+    slow = falling[:60] + [falling[59] + 1.0] * (b.RECOVER_STEPS + 5) + falling[60:160]
+    assert b.spike_events(slow)[0] == (60, b.RECOVER_STEPS + 5)
+    assert b.unrecovered(slow)
+    # a non-finite loss is a divergence
+    assert b.unrecovered(falling[:30] + [float("nan")])
+
+
+def test_bench_warmup_preset_sets_defaults_that_flags_override():
+    b = _bench_optim()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warmup-preset", default=None)
+    ap.add_argument("--warmup-d-model", type=int, default=32)
+    ap.add_argument("--warmup-block-norm", default="post")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=64)
+    for name in b.WARMUP_PRESETS["wide"]:
+        if not any(a.dest == name for a in ap._actions):
+            ap.add_argument("--" + name.replace("_", "-"), default=None)
+    plain = b.parse_with_preset(ap, [])
+    assert plain.warmup_d_model == 32 and plain.seq_len == 64
+    wide = b.parse_with_preset(ap, ["--warmup-preset", "wide"])
+    assert wide.warmup_d_model == 256 and wide.seq_len == 128 and wide.warmup_lr_warmup == 50
+    mixed = b.parse_with_preset(ap, ["--warmup-preset", "wide", "--warmup-d-model", "64"])
+    assert mixed.warmup_d_model == 64 and mixed.seq_len == 128
