@@ -450,7 +450,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-preset", choices=sorted(WARMUP_PRESETS), default=None,
                     help="warm-up experiment: a named setting (its values become the defaults; flags given "
                          "on the command line still win). wide: d 256, post-norm, LR warm-up 50, 400 steps, "
-                         "batch 16 x 128 (docs/TRAINING.md; ~4 min on an H200, ~1.5 h on 2 CPU cores)")
+                         "batch 16 x 128 (docs/TRAINING.md; ~4 min on an H200, ~1 h on 2 CPU cores)")
     args = parse_with_preset(ap, argv)
     if args.quick:
         args.steps, args.warmup_run_steps, args.d_model, args.layers = 12, 12, 32, 4
