@@ -163,7 +163,10 @@ def _split_aux(opt, model, scale: float):
 
 
 def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_every: int = 0,
-          ramp_steps: int | None = None, aux_lr: float | None = None, seed: int = 0) -> dict:
+          ramp_steps: int | None = None, aux_lr: float | None = None, seed: int = 0,
+          stop_at: int | None = None) -> dict:
+    """Train ``steps`` steps (the schedule's length); ``stop_at`` ends the run earlier, on the same
+    schedule (to look closely at the first part of a run)."""
     torch.manual_seed(seed)
     model = build_model(manifest).to(DEVICE)
     arch = ArchWarmup(manifest, model, ramp_steps=ramp_steps) if warmup else None
@@ -182,7 +185,7 @@ def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_
     losses, sharp, unlocked = [], [], []
     t0 = time.perf_counter()
     diverged = False
-    for step in range(steps):
+    for step in range(steps if stop_at is None else min(steps, stop_at)):
         if arch is not None:
             new = arch.apply(step, opt)
             if new:
@@ -202,14 +205,17 @@ def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_
             break
         if tracker is not None and (step + 1) % sharpness_every == 0:
             s = tracker.measure(lambda: lm_loss(model(probe), probe), precond=opt)
-            sharp.append([step + 1, round(s, 2)])
+            # with the adaptive EoS bound at the lr of that step (eos_bound): above it, expect trouble
+            lr_now = lr_at(manifest.schedule, manifest.optim.lr, step)
+            bound = round(eos_bound(lr_now, manifest.optim.betas[0]), 1) if lr_now > 0 else None
+            sharp.append([step + 1, round(s, 2), bound])
     wall = time.perf_counter() - t0
     final = float("nan") if diverged else evaluate(model, val)
     # one line per run on stderr: a run cut short by a time limit still leaves what it had done
     print(f"[bench_optim] {manifest.optim.name} lr {manifest.optim.lr:g} seed {seed} warm-up {warmup}: "
           f"{len(losses)} steps in {wall:.1f}s, final val {final:.4f}, spikes {spike_steps(losses)}, "
           f"max train loss after step 5 {max(losses[5:], default=float('nan')):.2f}, "
-          f"max sharpness {max((s for _, s in sharp), default=float('nan')):.0f}",
+          f"max sharpness {max((x[1] for x in sharp), default=float('nan')):.0f}",
           file=sys.stderr, flush=True)
     return {"model": model, "losses": losses, "val_loss": final, "diverged": diverged or not math.isfinite(final),
             "sharpness": sharp, "unlocked": unlocked, "wall_s": round(wall, 1)}
@@ -260,7 +266,7 @@ def _summary(r: dict, unigram: float) -> dict:
     stalled = not r["diverged"] and r["val_loss"] > unigram - STALL_MARGIN
     return {"spike_steps": spike_steps(r["losses"]), "final": r4(r["val_loss"]), "diverged": r["diverged"],
             "stalled": stalled, "unrecovered_spike": unrecovered(r["losses"]),
-            "max_sharpness": max((s for _, s in r["sharpness"]), default=None),
+            "max_sharpness": max((x[1] for x in r["sharpness"]), default=None),
             "min_train_loss": r4(min(r["losses"])) if r["losses"] else None}
 
 
@@ -290,6 +296,7 @@ def warmup_experiment(args, corpus) -> dict:
             mm = mm.replace(warmup={"enabled": True, "groups": [list(g) for g in groups],
                                     "unlock_steps": list(unlock)})
         return train(mm, corpus, val, steps, warmup=warm, sharpness_every=args.sharpness_every,
+                     stop_at=args.warmup_stop_at,
                      ramp_steps=args.ramp_steps, aux_lr=args.warmup_aux_lr, seed=seed)
 
     sweep: dict = {}
@@ -372,8 +379,9 @@ def warmup_experiment(args, corpus) -> dict:
             "lr_schedule": {"kind": "cosine", "warmup_steps": args.warmup_lr_warmup, "total_steps": steps,
                             "min_lr_frac": m.schedule.min_lr_frac},
             "steps": steps,
+            "stopped_at": args.warmup_stop_at,
             "batch": args.batch,
-            "tokens_per_run": steps * args.batch * args.seq_len,
+            "tokens_per_run": min(steps, args.warmup_stop_at or steps) * args.batch * args.seq_len,
             "active_from_start": sorted(set(range(layers)) - {i for g in groups for i in g}),
             "groups": [list(g) for g in groups],
             "unlock_steps": list(unlock),
@@ -436,6 +444,9 @@ def main(argv=None) -> int:
                          "seed (fail_rule: divergence, stall or a spike it does not recover from) is used")
     ap.add_argument("--high-lr", type=float, default=None, help="peak lr of the warm-up experiment (skips the sweep)")
     ap.add_argument("--seeds", default="0,1", help="warm-up experiment seeds (run.seed offsets: init and data order)")
+    ap.add_argument("--warmup-stop-at", type=int, default=None,
+                    help="warm-up experiment: end every run after this many steps, on the schedule of "
+                         "--warmup-run-steps (with a small --sharpness-every: sharpness around a blow-up)")
     ap.add_argument("--unlock-every", type=int, default=20)
     ap.add_argument("--warmup-keep-every", type=int, default=8,
                     help="warm-up schedule: layers 0, k, 2k, ... active from step 0, the others locked (8: 3 of 24; "

@@ -415,3 +415,19 @@ def test_bench_warmup_preset_sets_defaults_that_flags_override():
     assert wide.warmup_d_model == 256 and wide.seq_len == 128 and wide.warmup_lr_warmup == 50
     mixed = b.parse_with_preset(ap, ["--warmup-preset", "wide", "--warmup-d-model", "64"])
     assert mixed.warmup_d_model == 64 and mixed.seq_len == 128
+
+
+@pytest.mark.timeout(120)
+def test_bench_warmup_stop_at_ends_runs_early_on_the_full_schedule():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_optim.py"), "--quick", "--only", "warmup",
+                           "--high-lr", "0.1", "--seeds", "0", "--warmup-stop-at", "6"],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    w = json.loads(proc.stdout)["warmup"]
+    assert w["settings"]["steps"] == 12 and w["settings"]["stopped_at"] == 6
+    assert len(w["loss_first_12_steps"]["baseline"]["0"]) == 6
+    # sharpness every 4 steps (quick): one measurement in 6 steps, with the EoS bound at that step's lr
+    (trace,) = w["sharpness_trace"]["baseline"].values()
+    assert [row[0] for row in trace] == [4]
+    step, sharp, bound = trace[0]
+    assert sharp > 0 and bound >= w["eos_bound_at_peak_lr"] - 0.1
