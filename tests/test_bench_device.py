@@ -51,12 +51,9 @@ def test_a_device_that_is_not_here_is_refused_clearly():
 
 
 def _bench_module():
-    import importlib.util
+    from tests.conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("bench_device", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_device")
 
 
 def test_a_deeper_model_is_split_evenly_over_the_manifests_stages():

@@ -360,12 +360,9 @@ def test_bench_optim_quick():
 
 
 def _bench_optim():
-    import importlib.util
+    from tests.conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("bench_optim", ROOT / "scripts" / "bench_optim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_optim")
 
 
 def test_bench_failure_rule_tells_a_hard_batch_from_a_blow_up():
