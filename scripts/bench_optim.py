@@ -413,7 +413,7 @@ def parse_with_preset(ap: argparse.ArgumentParser, argv=None) -> argparse.Namesp
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
     ap.add_argument("--steps", type=int, default=300, help="steps per optimizer run")
@@ -461,8 +461,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-preset", choices=sorted(WARMUP_PRESETS), default=None,
                     help="warm-up experiment: a named setting (its values become the defaults; flags given "
                          "on the command line still win). wide: d 256, post-norm, LR warm-up 50, 400 steps, "
-                         "batch 16 x 128 (docs/TRAINING.md; ~4 min on an H200, ~1 h on 2 CPU cores)")
-    args = parse_with_preset(ap, argv)
+                         "batch 16 x 128 (docs/TRAINING.md; ~1 h on 2 CPU cores, a few minutes on an H200)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parse_with_preset(build_parser(), argv)
     if args.quick:
         args.steps, args.warmup_run_steps, args.d_model, args.layers = 12, 12, 32, 4
         args.k, args.seq_len, args.batch, args.lr_warmup = 4, 32, 4, 2

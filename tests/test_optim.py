@@ -395,22 +395,15 @@ def test_bench_failure_rule_tells_a_hard_batch_from_a_blow_up():
 
 def test_bench_warmup_preset_sets_defaults_that_flags_override():
     b = _bench_optim()
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--warmup-preset", default=None)
-    ap.add_argument("--warmup-d-model", type=int, default=32)
-    ap.add_argument("--warmup-block-norm", default="post")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=64)
-    for name in b.WARMUP_PRESETS["wide"]:
-        if not any(a.dest == name for a in ap._actions):
-            ap.add_argument("--" + name.replace("_", "-"), default=None)
+    ap = b.build_parser()
+    # every preset value names one of the bench's own options (a typo would add a dead attribute)
+    dests = {a.dest for a in ap._actions}
+    assert set(b.WARMUP_PRESETS["wide"]) <= dests
     plain = b.parse_with_preset(ap, [])
     assert plain.warmup_d_model == 32 and plain.seq_len == 64
-    wide = b.parse_with_preset(ap, ["--warmup-preset", "wide"])
+    wide = b.parse_with_preset(b.build_parser(), ["--warmup-preset", "wide"])
     assert wide.warmup_d_model == 256 and wide.seq_len == 128 and wide.warmup_lr_warmup == 50
-    mixed = b.parse_with_preset(ap, ["--warmup-preset", "wide", "--warmup-d-model", "64"])
+    mixed = b.parse_with_preset(b.build_parser(), ["--warmup-preset", "wide", "--warmup-d-model", "64"])
     assert mixed.warmup_d_model == 64 and mixed.seq_len == 128
 
 
