@@ -3,10 +3,17 @@
 Prints ONE JSON object:
 
 - ``val_loss``: validation loss of ``adamw``, ``muon``, ``numuon`` after the same number of
-  steps on the same batches (equal tokens), and ``numuon_vs_muon`` (ratio).
+  steps on the same batches (equal tokens), and ``numuon_vs_muon`` (ratio); means over
+  ``--optim-seeds`` (each seed: its own initialisation and data order), every run in
+  ``optim_per_seed``.
 - ``trunc_loss_increase``: after training, every hidden matrix (the ones Muon orthogonalises)
   is replaced by its best rank-⌈f·min(m, n)⌉ approximation (SVD) for f = 0.25 and 0.5; the
-  increase in validation loss, per optimizer and fraction.
+  increase in validation loss, per optimizer and fraction. ``trunc_by_kind``: the same with only
+  one kind of matrix truncated (``qkv_proj``, ``out_proj``, ...). ``weight_tail_energy``: the mean
+  share of a hidden matrix's squared Frobenius norm that the truncation removes (no loss in it,
+  so far less noisy than the loss increase). ``targets``: issue #8's two optimizer targets,
+  judged on the means, and on how many seeds NuMuon's increase is below the other's at both
+  fractions.
 - ``warmup``: architecture warm-up (stages/warmup.py, ``default_warmup_schedule``: layers 0, k,
   2k, … active from step 0 (``--warmup-keep-every k``, default 8: 3 of 24 layers), the others
   locked and unlocked in ``--warmup-groups`` groups (default 7), one every ``--unlock-every``
@@ -31,8 +38,9 @@ Prints ONE JSON object:
   bound at the peak lr, ``per_seed`` details and the settings.
 - ``settings``: the optimizer comparison's model, steps, tokens, lrs; the spike, stall and fail rules; timings.
 
-The optimizer comparison uses a deeper, narrower variant of the default model (d=48, 16 layers,
-Subspace writers with k = 6, the default peri-norm blocks) on the default stdlib corpus.
+The optimizer comparison trains the default model's shape (d=256, 6 layers, Subspace writers with
+k = 8, the default peri-norm blocks; batch 16 x 64, 300 steps) on the default stdlib corpus, with
+NuMuon's rank schedule started at 0.5 and its lr at 0.04 (flags; docs/TRAINING.md says why).
 ``--only optim|warmup`` runs one part; ``--quick`` is a smoke run (seconds). Threads default to 1:
 on an oversubscribed box torch's OpenMP threads spin against each other (measured 30× slower
 Newton–Schulz with 2 threads under load than with 1). docs/TRAINING.md has the results.
@@ -67,6 +75,8 @@ STALL_RULE = (f"a run stalled if it did not diverge and its final validation los
               f"loss (unigram_val_loss: the best token-independent predictor, byte frequencies of the training "
               f"split with add-one smoothing, on the same validation batches) by at least {STALL_MARGIN} nats")
 
+
+TRUNC_FRACS = (0.25, 0.5)  # rank fractions of the truncation test (issue #8)
 
 DEVICE = torch.device("cpu")  # --device: where every run trains (bf16 autocast on CUDA)
 
@@ -222,10 +232,12 @@ def train(manifest, corpus, val, steps: int, *, warmup: bool = False, sharpness_
 
 
 @torch.no_grad()
-def truncated_loss(model, val, frac: float) -> float:
+def truncated_loss(model, val, frac: float, only: list[str] | None = None) -> float:
+    """Val loss with every hidden matrix (or those named in ``only``) replaced by its best
+    rank-⌈frac·min(m, n)⌉ approximation (SVD); the weights are put back afterwards."""
     params = dict(model.named_parameters())
     saved = {}
-    for name in hidden_matrix_names(model):
+    for name in (hidden_matrix_names(model) if only is None else only):
         w = params[name]
         saved[name] = w.detach().clone()
         mat = w.reshape(w.shape[0], -1).float()
@@ -248,6 +260,116 @@ def unigram_loss(train_tokens: torch.Tensor, val, vocab_size: int = 256) -> floa
 
 def r4(x: float) -> float | None:
     return round(x, 4) if math.isfinite(x) else None
+
+
+def tail_energy(w: torch.Tensor, frac: float) -> float:
+    """Share of ``w``'s squared Frobenius norm beyond its best rank-⌈f·min(m, n)⌉ approximation
+    (what ``truncated_loss`` removes): a measure of compressibility that does not go through the
+    loss, and so is far less noisy from run to run."""
+    mat = w.detach().reshape(w.shape[0], -1).float()
+    s2 = torch.linalg.svdvals(mat).pow(2)
+    r = max(1, math.ceil(frac * min(mat.shape)))
+    return float(s2[r:].sum() / s2.sum().clamp_min(1e-30))
+
+
+def matrix_kind(name: str) -> str:
+    """``layers.3.attn.qkv_proj.weight`` -> ``qkv_proj`` (the per-kind breakdown's key)."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else name
+
+
+@torch.no_grad()
+def compressibility(model, val, fracs=TRUNC_FRACS) -> dict:
+    """After training: ``trunc`` (val-loss increase with every hidden matrix truncated, per
+    fraction), ``trunc_by_kind`` (only the matrices of one kind truncated) and ``tail_energy``
+    (mean over the hidden matrices, and per kind)."""
+    base = evaluate(model, val)
+    params = dict(model.named_parameters())
+    names = hidden_matrix_names(model)
+    kinds: dict[str, list[str]] = {}
+    for n in names:
+        kinds.setdefault(matrix_kind(n), []).append(n)
+    out = {"trunc": {}, "trunc_by_kind": {}, "tail_energy": {}, "tail_energy_by_kind": {}}
+    for f in fracs:
+        key = str(f)
+        out["trunc"][key] = truncated_loss(model, val, f) - base
+        out["trunc_by_kind"][key] = {k: truncated_loss(model, val, f, only=ns) - base for k, ns in kinds.items()}
+        te = {n: tail_energy(params[n], f) for n in names}
+        out["tail_energy"][key] = sum(te.values()) / len(te)
+        out["tail_energy_by_kind"][key] = {k: sum(te[n] for n in ns) / len(ns) for k, ns in kinds.items()}
+    return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    seeds = [int(x) for x in str(text).split(",") if x.strip()]
+    if not seeds:
+        raise SystemExit("bench_optim: no seeds given")
+    return seeds
+
+
+def optim_configs(args) -> dict[str, dict]:
+    """The three optimizers of the comparison (manifest ``[optim]`` tables), from the flags."""
+    return {
+        "adamw": {"name": "adamw", "lr": args.lr_adamw, "weight_decay": args.optim_weight_decay},
+        "muon": {"name": "muon", "lr": args.lr_muon, "aux_lr": args.aux_lr,
+                 "weight_decay": args.optim_weight_decay},
+        "numuon": {"name": "numuon", "lr": args.lr_numuon, "aux_lr": args.aux_lr,
+                   "weight_decay": args.optim_weight_decay, "rank_start": args.numuon_rank_start,
+                   "rank_final": args.numuon_rank_final, "rank_hold_frac": args.numuon_rank_hold,
+                   "rank_decay_end_frac": args.numuon_rank_decay_end},
+    }
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _mean_tree(trees: list):
+    """Element-wise mean of nested dicts of floats (one per seed)."""
+    if isinstance(trees[0], dict):
+        return {k: _mean_tree([t[k] for t in trees]) for k in trees[0]}
+    return r4(_mean(trees))
+
+
+def optimizer_comparison(args, m, corpus, val) -> dict:
+    """AdamW vs Muon vs NuMuon at equal tokens (the same batches), every seed of
+    ``--optim-seeds``; figures are means over seeds, ``optim_per_seed`` has each run."""
+    cfgs = optim_configs(args)
+    seeds = parse_seeds(args.optim_seeds)
+    per_seed: dict = {n: {} for n in cfgs}
+    walls: dict = {n: [] for n in cfgs}
+    for seed in seeds:
+        ms = m.replace(run={"seed": m.run.seed + seed})
+        for name, cfg in cfgs.items():
+            r = train(ms.replace(optim=cfg), corpus, val, args.steps, seed=seed)
+            c = compressibility(r["model"], val)
+            per_seed[name][str(seed)] = {"val_loss": r4(r["val_loss"]), **_mean_tree([c])}
+            walls[name].append(r["wall_s"])
+            print(f"[bench_optim] {name} seed {seed}: trunc {per_seed[name][str(seed)]['trunc']}, "
+                  f"tail energy {per_seed[name][str(seed)]['tail_energy']}", file=sys.stderr, flush=True)
+    mean = {n: _mean_tree(list(runs.values())) for n, runs in per_seed.items()}
+    out: dict = {"val_loss": {n: mean[n]["val_loss"] for n in cfgs}}
+    out["val_loss"]["numuon_vs_muon"] = r4(mean["numuon"]["val_loss"] / mean["muon"]["val_loss"])
+    out["trunc_loss_increase"] = {n: mean[n]["trunc"] for n in cfgs}
+    out["weight_tail_energy"] = {n: mean[n]["tail_energy"] for n in cfgs}
+    numuon = out["trunc_loss_increase"]["numuon"]
+    out["targets"] = {
+        "numuon_trunc_below_muon_and_adamw": all(
+            numuon[f] < out["trunc_loss_increase"][o][f] for f in numuon for o in ("muon", "adamw")),
+        "numuon_val_within_3pct_of_muon": out["val_loss"]["numuon_vs_muon"] <= 1.03,
+        "numuon_trunc_below_on_every_seed": {
+            o: sum(all(per_seed["numuon"][s]["trunc"][f] < per_seed[o][s]["trunc"][f] for f in numuon)
+                   for s in per_seed["numuon"]) for o in ("muon", "adamw")},
+    }
+    out["trunc_by_kind"] = {n: mean[n]["trunc_by_kind"] for n in cfgs}
+    out["optim_per_seed"] = {n: {s: {"val_loss": v["val_loss"], "trunc": v["trunc"], "tail_energy": v["tail_energy"]}
+                                 for s, v in runs.items()} for n, runs in per_seed.items()}
+    o = m.optim
+    out["optim_settings"] = {n: dict(cfg, betas=list(o.betas), momentum=o.momentum, grad_clip=o.grad_clip)
+                             for n, cfg in cfgs.items()}
+    out["optim_wall_s"] = {n: round(_mean(w), 1) for n, w in walls.items()}
+    return out
 
 
 def warmup_manifest(args):
@@ -418,9 +540,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
     ap.add_argument("--steps", type=int, default=300, help="steps per optimizer run")
     ap.add_argument("--warmup-run-steps", type=int, default=200, help="steps per warm-up experiment run")
-    ap.add_argument("--d-model", type=int, default=48, help="optimizer comparison: width")
-    ap.add_argument("--layers", type=int, default=16, help="optimizer comparison: depth")
-    ap.add_argument("--k", type=int, default=6, help="optimizer comparison: subspace rank")
+    ap.add_argument("--d-model", type=int, default=256, help="optimizer comparison: width (256: the default model)")
+    ap.add_argument("--layers", type=int, default=6, help="optimizer comparison: depth (6: the default model)")
+    ap.add_argument("--k", type=int, default=8, help="optimizer comparison: subspace rank (8: the default model)")
+    ap.add_argument("--optim-seeds", default="0,1",
+                    help="optimizer comparison seeds (run.seed offsets: init and data order); figures are means")
+    ap.add_argument("--lr-adamw", type=float, default=3e-3, help="optimizer comparison: AdamW's peak lr")
+    ap.add_argument("--lr-muon", type=float, default=0.02, help="optimizer comparison: Muon's peak lr (hidden matrices)")
+    ap.add_argument("--lr-numuon", type=float, default=0.04,
+                    help="optimizer comparison: NuMuon's peak lr (hidden matrices; a rank-k step moves less than "
+                         "Muon's full-rank one, docs/TRAINING.md)")
+    ap.add_argument("--aux-lr", type=float, default=3e-3,
+                    help="optimizer comparison: AdamW lr of Muon's and NuMuon's embedding, head and gains")
+    ap.add_argument("--optim-weight-decay", type=float, default=0.1)
+    ap.add_argument("--numuon-rank-start", type=float, default=0.5,
+                    help="NuMuon's r(t) while held (the manifest default is 1.0; in a run of a few hundred "
+                         "steps the full-rank steps of that phase stay in the weights, docs/TRAINING.md)")
+    ap.add_argument("--numuon-rank-final", type=float, default=0.25)
+    ap.add_argument("--numuon-rank-hold", type=float, default=0.1, help="NuMuon: fraction of training r(t) is held")
+    ap.add_argument("--numuon-rank-decay-end", type=float, default=0.8,
+                    help="NuMuon: fraction of training by which r(t) reaches its final value")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr-warmup", type=int, default=20, help="optimizer comparison: LR warm-up steps")
@@ -473,6 +612,7 @@ def main(argv=None) -> int:
         args.unlock_every, args.sharpness_every, args.val_batches, args.ramp_steps = 2, 4, 2, 2
         args.warmup_d_model, args.warmup_layers, args.warmup_k, args.lr_sweep = 32, 4, 4, "0.1,0.3"
         args.warmup_keep_every, args.warmup_groups = 2, 4
+        args.optim_seeds = "0"
     torch.set_num_threads(args.threads)
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -482,31 +622,8 @@ def main(argv=None) -> int:
     corpus = load_corpus(m.data)
     val = [v.to(DEVICE) for v in val_batches(corpus.val, args.batch, args.seq_len, args.val_batches)]
     out: dict = {}
-    runs = {}
     if args.only in (None, "optim"):
-        optim_cfg = {
-            "adamw": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1},
-            "muon": {"name": "muon", "lr": 0.02, "aux_lr": 3e-3, "weight_decay": 0.1},
-            "numuon": {"name": "numuon", "lr": 0.02, "aux_lr": 3e-3, "weight_decay": 0.1},
-        }
-        trunc: dict = {}
-        for name, cfg in optim_cfg.items():
-            mm = m.replace(optim=cfg)
-            r = train(mm, corpus, val, args.steps)
-            runs[name] = r
-            base = r["val_loss"]
-            trunc[name] = {str(f): r4(truncated_loss(r["model"], val, f) - base) for f in (0.25, 0.5)}
-        out["val_loss"] = {n: r4(r["val_loss"]) for n, r in runs.items()}
-        out["val_loss"]["numuon_vs_muon"] = r4(runs["numuon"]["val_loss"] / runs["muon"]["val_loss"])
-        out["trunc_loss_increase"] = trunc
-        o = m.optim
-        out["optim_settings"] = {
-            n: dict(cfg, betas=list(o.betas), momentum=o.momentum, grad_clip=o.grad_clip) for n, cfg in optim_cfg.items()
-        }
-        out["optim_settings"]["numuon"].update(rank_start=o.rank_start, rank_final=o.rank_final,
-                                               rank_hold_frac=o.rank_hold_frac,
-                                               rank_decay_end_frac=o.rank_decay_end_frac)
-        out["optim_wall_s"] = {n: r["wall_s"] for n, r in runs.items()}
+        out.update(optimizer_comparison(args, m, corpus, val))
 
     if args.only in (None, "warmup"):
         out["warmup"] = warmup_experiment(args, corpus)
@@ -516,6 +633,7 @@ def main(argv=None) -> int:
         "model": {"d_model": md.d_model, "n_layers": md.n_layers, "n_heads": md.n_heads, "ffn": md.ffn_dim,
                   "seq_len": md.seq_len, "subspace_k": m.k, "constrain_tail": m.subspace.constrain_tail},
         "steps": args.steps,
+        "optim_seeds": parse_seeds(args.optim_seeds),
         "batch": args.batch,
         "tokens_per_run": args.steps * args.batch * args.seq_len,
         "lr_schedule": {"kind": "cosine", "warmup_steps": args.lr_warmup, "min_lr_frac": m.schedule.min_lr_frac},

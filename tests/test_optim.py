@@ -352,6 +352,13 @@ def test_bench_optim_quick():
     assert set(out["val_loss"]) >= {"adamw", "muon", "numuon"}
     for name in ("adamw", "muon", "numuon"):
         assert set(out["trunc_loss_increase"][name]) == {"0.25", "0.5"}
+        for f in ("0.25", "0.5"):
+            assert 0.0 < out["weight_tail_energy"][name][f] < 1.0
+        # removing more of every matrix removes more of its energy
+        assert out["weight_tail_energy"][name]["0.25"] > out["weight_tail_energy"][name]["0.5"]
+        assert set(out["trunc_by_kind"][name]["0.25"]) >= {"qkv_proj", "out_proj", "down_proj"}
+    assert set(out["targets"]) >= {"numuon_trunc_below_muon_and_adamw", "numuon_val_within_3pct_of_muon"}
+    assert out["optim_settings"]["numuon"]["rank_start"] == 0.5
     w = out["warmup"]
     for key in ("lr", "how_lr_chosen", "baseline_spikes", "warmup_spikes", "baseline_final", "warmup_final",
                 "max_sharpness", "lr_sweep", "per_seed", "settings"):
@@ -421,3 +428,34 @@ def test_bench_warmup_stop_at_ends_runs_early_on_the_full_schedule():
     assert [row[0] for row in trace] == [4]
     step, sharp, bound = trace[0]
     assert sharp > 0 and bound >= w["eos_bound_at_peak_lr"] - 0.1
+
+
+def test_bench_tail_energy_is_the_share_the_truncation_removes():
+    b = _bench_optim()
+    torch.manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(16, 8))
+    v, _ = torch.linalg.qr(torch.randn(12, 8))
+    s = torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    w = (u * s) @ v.T  # 16 x 12, singular values s (rank 8)
+    # f = 0.25 keeps ceil(3) = 3 of min(16, 12) = 12: the removed share is 5 / (64 + 16 + 4 + 5)
+    assert b.tail_energy(w, 0.25) == pytest.approx(5 / 89, rel=1e-4)
+    # f = 0.5 keeps 6: two unit singular values left out
+    assert b.tail_energy(w, 0.5) == pytest.approx(2 / 89, rel=1e-4)
+    assert b.tail_energy(w[:, :3] @ torch.randn(3, 12), 0.25) == pytest.approx(0.0, abs=1e-6)
+    assert b.matrix_kind("layers.3.attn.qkv_proj.weight") == "qkv_proj"
+
+
+def test_bench_truncated_loss_puts_the_weights_back():
+    b = _bench_optim()
+    args = b.build_parser().parse_args(["--d-model", "32", "--layers", "3", "--k", "4", "--seq-len", "16"])
+    m = b.base_manifest(args)
+    from stages.model import build_model
+
+    model = build_model(m)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randint(0, 256, (2, 16))
+    full = b.truncated_loss(model, [x], 1.0)
+    low = b.truncated_loss(model, [x], 0.25, only=["layers.0.attn.qkv_proj.weight"])
+    assert math.isfinite(full) and math.isfinite(low) and low != full
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
