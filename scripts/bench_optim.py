@@ -40,7 +40,8 @@ Prints ONE JSON object:
 
 The optimizer comparison trains the default model's shape (d=256, 6 layers, Subspace writers with
 k = 8, the default peri-norm blocks; batch 16 x 64, 300 steps) on the default stdlib corpus, with
-NuMuon's rank schedule started at 0.5 and its lr at 0.04 (flags; docs/TRAINING.md says why).
+NuMuon's rank schedule started at 0.5, its lr at 0.04 and weight decay 0.3 for all three
+optimizers (flags; docs/TRAINING.md says why).
 ``--only optim|warmup`` runs one part; ``--quick`` is a smoke run (seconds). Threads default to 1:
 on an oversubscribed box torch's OpenMP threads spin against each other (measured 30× slower
 Newton–Schulz with 2 threads under load than with 1). docs/TRAINING.md has the results.
@@ -552,7 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "Muon's full-rank one, docs/TRAINING.md)")
     ap.add_argument("--aux-lr", type=float, default=3e-3,
                     help="optimizer comparison: AdamW lr of Muon's and NuMuon's embedding, head and gains")
-    ap.add_argument("--optim-weight-decay", type=float, default=0.1)
+    ap.add_argument("--optim-weight-decay", type=float, default=0.3,
+                    help="optimizer comparison: decoupled weight decay of all three optimizers (0.3: in a "
+                         "300-step run 0.1 leaves most of the random initialisation in the weights, docs/TRAINING.md)")
     ap.add_argument("--numuon-rank-start", type=float, default=0.5,
                     help="NuMuon's r(t) while held (the manifest default is 1.0; in a run of a few hundred "
                          "steps the full-rank steps of that phase stay in the weights, docs/TRAINING.md)")
