@@ -544,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--d-model", type=int, default=256, help="optimizer comparison: width (256: the default model)")
     ap.add_argument("--layers", type=int, default=6, help="optimizer comparison: depth (6: the default model)")
     ap.add_argument("--k", type=int, default=8, help="optimizer comparison: subspace rank (8: the default model)")
-    ap.add_argument("--optim-seeds", default="0,1",
+    ap.add_argument("--optim-seeds", default="0,1,2",
                     help="optimizer comparison seeds (run.seed offsets: init and data order); figures are means")
     ap.add_argument("--lr-adamw", type=float, default=3e-3, help="optimizer comparison: AdamW's peak lr")
     ap.add_argument("--lr-muon", type=float, default=0.02, help="optimizer comparison: Muon's peak lr (hidden matrices)")
