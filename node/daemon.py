@@ -1,13 +1,13 @@
 """`swarm-node run`: the daemon that holds one pipeline stage, joins the swarm and trains.
 
 Start-up is a straight line, and every step that can fail because of the operator fails with
-one line naming what is wrong and how to fix it (``node.cli.CliError``), before anything is
+one line naming what is wrong and how to fix it (``node.ops.cli.CliError``), before anything is
 left running:
 
-1. settings: flags > ``SWARM_NODE_*`` env > ``--config`` TOML > defaults (``node.config``);
+1. settings: flags > ``SWARM_NODE_*`` env > ``--config`` TOML > defaults (``node.ops.config``);
 2. pre-flight: manifest, identity key permissions, listen and metrics ports free, device;
 3. identity not already online (a throwaway daemon dials the key's peer id);
-4. DHT + p2pd, bootstrapped from ``--initial-peers`` with retries (``node.membership``);
+4. DHT + p2pd, bootstrapped from ``--initial-peers`` with retries (``node.net.membership``);
 5. the swarm's manifest: same hash, or refuse naming the differing fields; publish if first;
 6. stage: forced, from our checkpoint, or ``auto`` (least announced capacity);
 7. memory: the stage must fit in the device's free memory (numbers in the error);
@@ -31,8 +31,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from node import config as node_config
-from node.cli import CliError
+from node.ops import config as node_config
+from node.ops.cli import CliError
 
 log = logging.getLogger("swarm_node.daemon")
 
@@ -103,9 +103,9 @@ def _announce_line(text: str) -> None:
 def run_node(cfg: node_config.NodeConfig) -> int:
     import torch
 
-    from node.checkpoint import CheckpointError, load_latest_checkpoint
-    from node.identity import anonymous_identity_in_use, check_identity
-    from node.membership import (
+    from node.ops.checkpoint import CheckpointError, load_latest_checkpoint
+    from node.net.identity import anonymous_identity_in_use, check_identity
+    from node.net.membership import (
         BootstrapError,
         IdentityInUse,
         ManifestMismatch,
@@ -114,8 +114,8 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         start_dht,
         stop_dht,
     )
-    from node.metrics import MetricsServer, NodeMetrics, PortInUse
-    from node.resources import available_device_bytes, estimate_stage_memory, fmt_bytes, resolve_device
+    from node.ops.metrics import MetricsServer, NodeMetrics, PortInUse
+    from node.ops.resources import available_device_bytes, estimate_stage_memory, fmt_bytes, resolve_device
     from stages.manifest import ManifestError, load_manifest, manifest_hash
 
     t_start = time.monotonic()
@@ -161,7 +161,7 @@ def run_node(cfg: node_config.NodeConfig) -> int:
     dht = None
     try:
         if cfg.identity and cfg.initial_peers:
-            from node.membership import p2p_options
+            from node.net.membership import p2p_options
 
             in_use = asyncio.run(anonymous_identity_in_use(
                 cfg.identity, cfg.initial_peers, timeout=5.0,
@@ -273,7 +273,7 @@ class Node:
     def setup(self) -> None:
         import torch
 
-        from node.routing import Router
+        from node.net.routing import Router
         from node.runtime import RuntimeOptions, StageRuntime, new_microbatch_rng
         from stages.model import build_stage
         from stages.optim import build_optimizer
@@ -334,7 +334,7 @@ class Node:
                        shard=shard, num_shards=self.cfg.num_shards)
 
     def _averager(self, stage, optimizer):
-        from node.averaging import ReplicaAverager, averaging_prefix
+        from node.net.averaging import ReplicaAverager, averaging_prefix
 
         a = self.m.asyncmesh
         try:
@@ -357,7 +357,7 @@ class Node:
         self._ckpt_pool.submit(self._save, step, tensors, meta)
 
     def _save(self, step: int, tensors: dict, meta: dict) -> None:
-        from node.checkpoint import CheckpointError, save_checkpoint
+        from node.ops.checkpoint import CheckpointError, save_checkpoint
 
         try:
             path = save_checkpoint(self.cfg.checkpoint_dir, step, tensors, meta)
@@ -371,9 +371,9 @@ class Node:
     # ---- the event loop
 
     async def serve(self) -> int:
-        from node.membership import PeerRecord
-        from node.p2p import Transport
-        from node.state_sync import StateSyncError, join_from_replicas
+        from node.net.membership import PeerRecord
+        from node.net.p2p import Transport
+        from node.net.state_sync import StateSyncError, join_from_replicas
         from protocol.frames import Limits
 
         cfg, rt = self.cfg, self.runtime
@@ -489,7 +489,7 @@ class Node:
 
     async def _shutdown(self, bg) -> int:
         """Drain, checkpoint, announce offline, stop serving. Bounded by --drain-timeout (+ a few s)."""
-        from node.membership import PeerRecord
+        from node.net.membership import PeerRecord
         from node.runtime import cancel_all
 
         rt, cfg = self.runtime, self.cfg
@@ -533,7 +533,7 @@ class Node:
 
     def _force_exit(self) -> None:
         """Watchdog (a thread): the orderly shutdown is stuck; stop the DHT and p2pd, and exit."""
-        from node.membership import stop_dht
+        from node.net.membership import stop_dht
 
         log.error("shutdown did not finish within %.0f s: forcing exit", self.cfg.drain_timeout + 30.0)
         try:
@@ -562,6 +562,6 @@ def make_verifier(manifest, index: int):
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from node.cli import main as cli_main
+    from node.ops.cli import main as cli_main
 
     sys.exit(cli_main(["run", *sys.argv[1:]]))

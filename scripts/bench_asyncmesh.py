@@ -21,7 +21,7 @@ Pipeline axis (S stages, one replica each, equal tokens and equal optimizer step
   reported as ``val_loss_deep``, ``lookahead_beats_none_deep`` and ``deep_settings``.
 
 Utilisation (busy / wall per stage): ``utilisation`` is measured on a real local swarm
-(node.demo.LocalSwarm: bootstrap + one ``swarm-node run`` per stage on loopback) of the
+(node.ops.local_swarm.LocalSwarm: bootstrap + one ``swarm-node run`` per stage on loopback) of the
 manifest's own model in lookahead and gpipe mode (``--runtime-more-inflight``: also lookahead
 with ``--more-inflight`` microbatches in flight), busy = growth of ``swarm_node_compute_busy_seconds_total`` over
 ``--runtime-seconds``; ``utilisation.simulated`` is a discrete-event simulation of both
@@ -32,7 +32,7 @@ Data axis (R replicas of the whole model, equal tokens):
 - ``full_every_step``: all parameters averaged after every step;
 - ``sparse``: a rotating p-fraction slice every H steps (PartitionSchedule), the average arriving
   ``avg_latency`` steps after its snapshot and applied as a delta (λ = 1);
-- ``sparse_corrected``: ``avg_correction`` as node/averaging.py does it: first moments averaged
+- ``sparse_corrected``: ``avg_correction`` as node/net/averaging.py does it: first moments averaged
   on the same slice, their delta scaled by β^s (StalenessCorrection);
 - ``sparse_avg_gap_rel`` = val(sparse_corrected)/val(full) − 1; ``avg_bytes_ratio`` = all-reduce
   payload bytes of full / sparse_corrected. These val losses are per replica (mean over the
@@ -448,7 +448,7 @@ def manifest_toml(m) -> str:
 def _busy_seconds(metrics: dict) -> float:
     """The compute worker's busy seconds (``swarm_node_compute_busy_seconds_total``; older nodes:
     the sum of the per-microbatch compute-time histogram)."""
-    from node.demo import metric_sum
+    from node.ops.local_swarm import metric_sum
 
     key = "swarm_node_compute_busy_seconds_total"
     if any(k.split("{")[0] == key for k in metrics):
@@ -463,7 +463,7 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5, max
     stage over the window (``swarm_node_staleness_steps``), to check it against the loss runs'."""
     import tempfile
 
-    from node.demo import LocalSwarm, metric_sum
+    from node.ops.local_swarm import LocalSwarm, metric_sum
 
     train = {"steps": 1_000_000, **({"max_inflight": max_inflight} if max_inflight else {})}
     mm = m.replace(asyncmesh={"mode": mode}, train=train, schedule={"total_steps": 1_000_000},
@@ -500,7 +500,7 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5, max
 
 # ------------------------------------------------------------------------------- averaging
 
-CORRECTED = "sparse_corrected"  # what asyncmesh.avg_correction = true does in node/averaging.py
+CORRECTED = "sparse_corrected"  # what asyncmesh.avg_correction = true does in node/net/averaging.py
 
 
 def averaging_runs(m, variants, corpus, val, args) -> dict:
@@ -732,7 +732,7 @@ def main(argv=None) -> int:
                 "tail_steps_per_s": {k: v["tail_steps_per_s"] for k, v in rt.items()},
                 "tau_measured": {k: v["tau_measured"] for k, v in rt.items()},
                 "max_inflight": {k: v["max_inflight"] for k, v in rt.items()},
-                "source": "real local swarm (node.demo.LocalSwarm: bootstrap + one swarm-node run per stage, "
+                "source": "real local swarm (node.ops.local_swarm.LocalSwarm: bootstrap + one swarm-node run per stage, "
                 "loopback, 1 torch thread each): compute-worker busy seconds / wall seconds over "
                 f"{args.runtime_seconds:g} s; on a shared CPU, time a compute call waits for a core counts as busy",
                 "model": f"{args.manifest} manifest as shipped (d_model {rm.model.d_model}, "

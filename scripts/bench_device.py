@@ -2,12 +2,12 @@
 
 For each device in ``--devices`` (default: ``cpu``, plus ``cuda`` when one is visible):
 
-1. ``reference``: the reference trainer (``node.train_local.train``, every stage chained in one
+1. ``reference``: the reference trainer (``node.ops.train_local.train``, every stage chained in one
    process) for ``--steps`` optimizer steps: tokens/s (training steps only), first and last loss,
    validation loss. bf16 autocast on CUDA, float32 on the CPU.
 2. ``pipeline``: the node's own runtime. One ``node.runtime.StageRuntime`` per stage, each with
    the verifier a node builds (SENTINEL when the manifest enables it) and its compute and verify
-   threads, exchanging real frames through ``node.memnet`` (no p2pd, no sockets) for
+   threads, exchanging real frames through ``tests.helpers.memnet`` (no p2pd, no sockets) for
    ``--pipeline-seconds``: tail steps, tokens/s, loss, tensors judged and rejected by the
    verifiers. Every tensor crossing a stage boundary takes the same path as in a swarm: subspace
    coordinates encoded into a frame, decoded, verified, decompressed on the receiving device.
@@ -99,7 +99,7 @@ def sync(device: torch.device) -> None:
 
 
 def reference_run(m, device: torch.device, steps: int, corpus) -> dict:
-    from node.train_local import train
+    from node.ops.train_local import train
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -122,10 +122,10 @@ def reference_run(m, device: torch.device, steps: int, corpus) -> dict:
 
 async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
     from node.daemon import make_verifier
-    from node.demo import metric_sum, parse_metrics
-    from node.memnet import MemTransport, Net
-    from node.metrics import NodeMetrics
-    from node.routing import Router
+    from node.ops.local_swarm import metric_sum, parse_metrics
+    from tests.helpers.memnet import MemTransport, Net
+    from node.ops.metrics import NodeMetrics
+    from node.net.routing import Router
     from node.runtime import RuntimeOptions, StageRuntime
     from stages.data import Batches
     from stages.model import build_stage
@@ -145,7 +145,7 @@ async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
             peer_id=peer, device=device, options=RuntimeOptions(use_amp=device.type == "cuda"),
             batches=batches, rng=random.Random(m.run.seed + i),
         ))
-    # what a DHT record carries, without node.membership (it imports hivemind, which a GPU box may lack)
+    # what a DHT record carries, without node.net.membership (it imports hivemind, which a GPU box may lack)
     records = [SimpleNamespace(peer_id=rt.peer_id, stage=rt.index, state="online", throughput=0.0, capacity=None,
                                queue=0, version=0, maddrs=[]) for rt in rts]
     for rt in rts:

@@ -25,7 +25,7 @@ tensors dropped, the microbatch skipped, senders banned and routed around); unde
 SENTINEL (basic checks only) — and the validation loss of each.
 
 Part 3, one real multi-process run (``--part real``, included in the default ``all``): a
-loopback swarm of ``swarm-node run`` processes (``node.attack_drill``, the scenario of
+loopback swarm of ``swarm-node run`` processes (``tests.helpers.attack_drill``, the scenario of
 tests/test_sentinel_swarm.py) on ``--real-manifest`` with ``--real-replicas`` middle replicas, the
 last of which joins with ``--attack`` = the strongest attack: when its neighbours ban it, what
 share of the stage's microbatches it served after the ban, whether any honest peer was banned,
@@ -488,11 +488,11 @@ def damage(args) -> dict:
 
 
 def real_run(args) -> dict:
-    """One real loopback swarm (node.attack_drill); its processes use one torch thread each."""
+    """One real loopback swarm (tests.helpers.attack_drill); its processes use one torch thread each."""
     import shutil
     import tempfile
 
-    from node.attack_drill import run_attack_drill
+    from tests.helpers.attack_drill import run_attack_drill
 
     attack = args.real_attack or args.strongest
     workdir = Path(args.real_workdir or tempfile.mkdtemp(prefix="bench-sentinel-real-"))
@@ -526,7 +526,7 @@ def clean_summary(metrics: dict[str, dict[str, float]]) -> dict:
     """False positives of a swarm whose every peer is honest, from each node's /metrics:
     per node the tensors judged, rejected (by distance) and peers banned; over all nodes the
     rejected share (``fpr``) and the bans (every one a false ban)."""
-    from node.demo import metric_sum
+    from node.ops.local_swarm import metric_sum
 
     per_node, judged, rejected, bans = {}, 0.0, 0.0, 0.0
     for name, mt in metrics.items():
@@ -552,7 +552,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     every rejection is a false positive and every ban a false ban."""
     import tempfile
 
-    from node.demo import LocalSwarm, write_manifest
+    from node.ops.local_swarm import LocalSwarm, write_manifest
 
     m = load_manifest(args.real_manifest)
     if horizon:

@@ -4,7 +4,7 @@ Two nodes on loopback in separate processes (this one sends, a child ``--serve``
 receives), each with its own go-libp2p daemon. Three ways to move the same activation tensors
 (c: (B, 1024, 256) float32 + ids: (B, 1024) int64, B = payload MiB) over the same daemons:
 
-  ours      ``node.p2p.Transport``: one fwd frame per stream, decoded with limits, checked with
+  ours      ``node.net.p2p.Transport``: one fwd frame per stream, decoded with limits, checked with
             ``validate_fwd`` (run, stage, names, dtypes, shapes, finite values), ``ack`` reply.
   protobuf  hivemind's path for tensors: ``serialize_torch_tensor`` + ``split_for_streaming``
             (4 MiB parts) through a streaming protobuf handler (``add_protobuf_handler`` with
@@ -53,7 +53,7 @@ async def serve() -> None:
     from hivemind.proto import runtime_pb2
     from hivemind.utils.streaming import combine_from_streaming
 
-    from node.p2p import FWD, Transport
+    from node.net.p2p import FWD, Transport
     from protocol.frames import Limits
     from protocol.messages import Expect, make_ack, validate_fwd
 
@@ -150,7 +150,7 @@ class Client:
         self.check_us: list[int] = []
 
     async def ours(self, c, ids, mb: int) -> None:
-        from node.p2p import FWD
+        from node.net.p2p import FWD
         from protocol.messages import make_fwd, parse_reply
 
         frame = make_fwd(RUN, MANIFEST, mb, 0, 0, [self.t.peer_id], c, ids, sent_ms=0)
@@ -276,7 +276,7 @@ async def bench(args, server: subprocess.Popen) -> dict:
     import psutil
     import torch
 
-    from node.p2p import Transport
+    from node.net.p2p import Transport
 
     torch.set_num_threads(1)
     transport = None

@@ -15,7 +15,7 @@ into ⌈1/p⌉ partitions; round r averages partition r mod ⌈1/p⌉. The avera
 delta against the snapshot taken when the round started (``apply_average_delta``), so local
 progress made while the round ran is kept, scaled by λ from ``StalenessCorrection``.
 
-Pure torch: no I/O here; node/averaging.py moves the bytes.
+Pure torch: no I/O here; node/net/averaging.py moves the bytes.
 """
 
 from __future__ import annotations

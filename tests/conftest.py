@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.scripts import ROOT
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -17,16 +16,6 @@ def pytest_asyncio_loop_factories(config, item):
     except ImportError:  # pragma: no cover - uvloop is a runtime dependency on Linux
         return {"asyncio": asyncio.new_event_loop}
     return {"uvloop": uvloop.new_event_loop}
-
-
-def load_script(name: str):
-    """Import ``scripts/<name>.py`` (the scripts are not a package) and return the module."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")

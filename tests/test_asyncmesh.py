@@ -533,7 +533,7 @@ def test_bench_quick_runs_and_prints_one_json():
 
 
 def test_bench_consensus_model_is_the_elementwise_mean_of_the_replicas():
-    from tests.conftest import load_script
+    from tests.helpers.scripts import load_script
 
     bench = load_script("bench_asyncmesh")
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from node.averaging import ReplicaAverager, averaging_prefix
+from node.net.averaging import ReplicaAverager, averaging_prefix
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 P2P_LOCAL = dict(use_relay=False, use_auto_relay=False, auto_nat=False, nat_port_map=False)
@@ -228,7 +228,7 @@ def _finished_round(avg, number, result=None, error=None):
     """A round whose hivemind part is already over (no network): drives ReplicaAverager's bookkeeping."""
     import concurrent.futures
 
-    from node.averaging import _Round
+    from node.net.averaging import _Round
     from stages.asyncmesh import snapshot
 
     idx = avg.schedule.indices(number)

@@ -1,5 +1,5 @@
 """scripts/bench_device.py: the reference trainer and the node's runtime pipeline (real
-StageRuntimes and verifiers over node.memnet), per device, in one JSON object."""
+StageRuntimes and verifiers over tests.helpers.memnet), per device, in one JSON object."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_a_device_that_is_not_here_is_refused_clearly():
 
 
 def _bench_module():
-    from tests.conftest import load_script
+    from tests.helpers.scripts import load_script
 
     return load_script("bench_device")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from node.checkpoint import (
+from node.ops.checkpoint import (
     CheckpointError,
     checkpoint_path,
     flatten_module,

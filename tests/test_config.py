@@ -1,4 +1,4 @@
-"""node/config.py: flags > SWARM_NODE_* env > TOML file > defaults, typed, with clear errors."""
+"""node/ops/config.py: flags > SWARM_NODE_* env > TOML file > defaults, typed, with clear errors."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from node.cli import CliError
-from node.config import NodeConfig, add_arguments, load_config_file, resolve_config, tcp_ports
+from node.ops.cli import CliError
+from node.ops.config import NodeConfig, add_arguments, load_config_file, resolve_config, tcp_ports
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -109,7 +109,7 @@ def test_tcp_ports_of_multiaddrs():
 
 
 def test_run_subcommand_exposes_every_field():
-    from node.cli import build_parser
+    from node.ops.cli import build_parser
 
     help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     for name in NodeConfig.__dataclass_fields__:
@@ -119,7 +119,7 @@ def test_run_subcommand_exposes_every_field():
 def test_every_setting_is_documented():
     from pathlib import Path
 
-    from node.config import env_name
+    from node.ops.config import env_name
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "NODE.md").read_text()
     for name in NodeConfig.__dataclass_fields__:

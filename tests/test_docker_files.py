@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from node.cli import build_parser
+from node.ops.cli import build_parser
 
 from .conftest import ROOT
 
@@ -81,7 +81,7 @@ def test_grafana_provisioning_points_at_the_dashboard():
 
 
 def test_dashboard_is_generated_from_the_script():
-    from tests.conftest import load_script
+    from tests.helpers.scripts import load_script
 
     mod = load_script("make_dashboard")
     assert json.loads((DOCKER / "grafana/swarm-node.json").read_text()) == mod.build()

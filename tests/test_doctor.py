@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from node import doctor
+from node.ops import doctor
 
 
 def _args(**kw):
@@ -56,7 +56,7 @@ def test_doctor_flags_world_readable_key_port_in_use_and_bad_manifest(tmp_path):
 
 
 def test_doctor_memory_check_fails_when_stage_cannot_fit(monkeypatch):
-    import node.resources as res
+    import node.ops.resources as res
 
     monkeypatch.setattr(res, "available_device_bytes", lambda device: 1024)
     checks = _by_name(doctor.run_checks(_args(manifest="test", stage="1")))

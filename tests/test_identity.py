@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from node.cli import CliError
-from node.identity import (
+from node.ops.cli import CliError
+from node.net.identity import (
     add_arguments,
     check_identity,
     identity_in_use,
@@ -96,8 +96,8 @@ def test_peer_id_encoding_matches_the_libp2p_spec():
 @pytest.mark.asyncio
 @pytest.mark.timeout(90)
 async def test_p2pd_uses_the_key_and_identity_in_use_sees_it_online(tmp_path):
-    from node.p2p import Transport
-    from tests.test_p2p import assert_no_p2pd_left
+    from node.net.p2p import Transport
+    from tests.helpers.procs import assert_no_p2pd_left
 
     path = tmp_path / "a.key"
     keygen([str(path)])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from node.demo import LocalSwarm, free_port, p2pd_pids_of
+from node.ops.local_swarm import LocalSwarm, free_port, p2pd_pids_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _keygen(path: Path) -> str:
-    from node.identity import write_identity
+    from node.net.identity import write_identity
 
     return write_identity(path)
 
@@ -52,7 +52,7 @@ def outcomes(tmp_path_factory):
         other.write_text(text.replace("seq_len = 32", "seq_len = 16").replace('lr = 3e-3', 'lr = 1e-2')
                          .replace("max_inflight = 2", "max_inflight = 3"))
         # a stage far bigger than this machine's memory (first node of its own swarm: no peers)
-        from node.demo import write_manifest
+        from node.ops.local_swarm import write_manifest
         from stages.manifest import load_manifest
 
         huge = write_manifest(load_manifest("test").replace(model={"d_model": 16384, "n_heads": 16}),
@@ -83,11 +83,11 @@ def outcomes(tmp_path_factory):
         }
         procs = {}
         for name, argv in cases.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "node.cli", *argv], stdout=subprocess.PIPE,
+            procs[name] = subprocess.Popen([sys.executable, "-m", "node.ops.cli", *argv], stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=sw.env)
         sw.wait_ready([owner], timeout=150)
         procs["identity_in_use"] = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", *base, "--metrics-port", "-1", "--identity", str(taken),
+            [sys.executable, "-m", "node.ops.cli", *base, "--metrics-port", "-1", "--identity", str(taken),
              "--initial-peers", *peers],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=sw.env)
         results = {}

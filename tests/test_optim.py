@@ -367,7 +367,7 @@ def test_bench_optim_quick():
 
 
 def _bench_optim():
-    from tests.conftest import load_script
+    from tests.helpers.scripts import load_script
 
     return load_script("bench_optim")
 

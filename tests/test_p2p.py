@@ -9,12 +9,12 @@ import os
 import time
 
 import msgpack
-import psutil
 import pytest
 import pytest_asyncio
 import torch
 
-from node.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable, Transport
+from node.net.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable, Transport
+from tests.helpers.procs import assert_no_p2pd_left, p2pd_descendants
 from protocol.frames import FrameDecoder, Limits, ProtocolError, Reason
 from protocol.messages import (
     Expect,
@@ -31,25 +31,6 @@ from protocol.messages import (
 )
 
 RUN, MANIFEST, K = "swarm-test", "m" * 16, 8
-
-
-def p2pd_descendants() -> list[psutil.Process]:
-    """p2pd processes started (directly or through a DHT child process) by this test process."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.name() == "p2pd" and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def assert_no_p2pd_left(timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while p2pd_descendants() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert p2pd_descendants() == [], "a p2pd daemon outlived its test"
 
 
 def sockets_of(t: Transport) -> list[str]:
@@ -324,7 +305,7 @@ async def test_state_stream_health_and_unreachable_peer(pair):
     reply = await b.request(a.peer_id, HEALTH, {"type": "health-request"}, timeout=20)
     assert reply.header["status"] == {"peer": a.peer_id, "stage": 1} and reply.header["v"] == 1
 
-    from node.identity import new_ed25519_key, peer_id_from_key
+    from node.net.identity import new_ed25519_key, peer_id_from_key
 
     nobody = peer_id_from_key(new_ed25519_key())
     t0 = time.monotonic()
@@ -373,7 +354,7 @@ async def test_frames_are_received_straight_into_their_body_without_reading_past
     body buffer (BufferedProtocol), and the next frame's bytes are left for the next read."""
     import socket
 
-    import node.p2p as p2p
+    import node.net.p2p as p2p
     from protocol.frames import encode_frame_bytes
 
     direct = []

@@ -13,7 +13,7 @@ from stages.model import build_model, lm_loss, rmsnorm, rope_tables
 from stages.optim import build_optimizer
 from stages.subspace import DenseCodec
 from stages.warmup import ArchWarmup
-from tests.test_warmup import _ids, _step, _trained_then_unlocked
+from tests.helpers.warmup import trained_then_unlocked, warmup_ids, warmup_step
 
 
 def _post(**warmup):
@@ -51,7 +51,7 @@ def test_post_norm_block_formula_and_normalised_embedding():
         assert torch.allclose(out.pow(2).mean(-1), torch.ones(2, L), atol=1e-4)  # RMS 1 per token
         # the post-norm model's embedding is normalised too: with every block locked the model
         # is lm_head(rmsnorm(rmsnorm(T[x] + E[x])))
-        ids = _ids(0, L=L)
+        ids = warmup_ids(0, L=L)
         for b in model.layers:
             b.active = False
         h0 = rmsnorm(model.embed(ids, None, model.codec.T), eps)
@@ -72,13 +72,13 @@ def test_post_norm_locked_block_is_identity_and_never_changes(optim):
     locked = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(("layers.1.", "layers.2."))}
     active = model.layers[0].attn.qkv_proj.weight.detach().clone()
     for step in range(3):
-        _step(model, opt, arch, step)
+        warmup_step(model, opt, arch, step)
     params = dict(model.named_parameters())
     for n, before in locked.items():
         assert torch.equal(params[n], before), n
         assert params[n].grad is None and not params[n].requires_grad
     assert not torch.equal(params["layers.0.attn.qkv_proj.weight"], active)  # the active block trains
-    ids = _ids(9)
+    ids = warmup_ids(9)
     with torch.no_grad():
         full = model(ids)
         model.layers = torch.nn.ModuleList([model.layers[0]])
@@ -89,7 +89,7 @@ def test_post_norm_locked_block_is_identity_and_never_changes(optim):
 def test_post_norm_unlock_preserves_function_then_trains(layer):
     """Unlocking a post-norm block (writers at zero) leaves the function unchanged up to eps at
     any depth: the first block too, because the post-norm model normalises its embedding."""
-    model, arch, opt, ids, before, unlocked = _trained_then_unlocked(_post(groups=[[layer]], unlock_steps=[3]))
+    model, arch, opt, ids, before, unlocked = trained_then_unlocked(_post(groups=[[layer]], unlock_steps=[3]))
     assert unlocked == [layer] and not arch.locked
     block = model.layers[layer]
     assert all(torch.count_nonzero(p.weight) == 0 for p in block.output_projections())
@@ -110,7 +110,7 @@ def test_post_norm_without_embedding_norm_would_not_preserve_the_first_unlock():
     identity only on a stream of RMS 1; the raw embedding T[x] + E[x] is not one."""
     m = _post()
     model = build_model(m)
-    ids = _ids(2)
+    ids = warmup_ids(2)
     with torch.no_grad():
         raw = model.embed(ids, None, model.codec.T)
         assert (raw.pow(2).mean(-1).sqrt() - 1).abs().max() > 0.1

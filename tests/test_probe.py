@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from node.p2p import FWD, HEALTH, Transport
+from node.net.p2p import FWD, HEALTH, Transport
 from protocol.messages import Expect, make_ack, make_health, validate_fwd, validate_health_request
 
 RUN, MANIFEST = "swarm-test", "f" * 64
@@ -19,7 +19,7 @@ RUN, MANIFEST = "swarm-test", "f" * 64
 def test_probe_module_never_imports_hivemind():
     import subprocess
 
-    code = "import sys, node.probe, node.probe_libp2p; assert 'hivemind' not in sys.modules; print('ok')"
+    code = "import sys, node.net.probe, node.net.probe_libp2p; assert 'hivemind' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
 
@@ -27,8 +27,8 @@ def test_probe_module_never_imports_hivemind():
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_py_libp2p_probe_talks_to_our_node(capsys):
-    from node import probe
-    from tests.test_p2p import assert_no_p2pd_left
+    from node.net import probe
+    from tests.helpers.procs import assert_no_p2pd_left
 
     node = await Transport.start()
     seen = []
@@ -85,8 +85,8 @@ async def test_py_libp2p_probe_talks_to_our_node(capsys):
 async def test_probe_retries_a_reset_stream_once_then_fails():
     """A node whose health handler drops every stream: the probe tries a second stream, says
     so in ``retried``, and still fails (a retry never hides a broken node)."""
-    from node import probe
-    from tests.test_p2p import assert_no_p2pd_left
+    from node.net import probe
+    from tests.helpers.procs import assert_no_p2pd_left
 
     node = await Transport.start()
     resets = []
@@ -96,7 +96,7 @@ async def test_probe_retries_a_reset_stream_once_then_fails():
             resets.append(info.peer_id.to_base58())
             writer.transport.abort()  # p2pd resets the libp2p stream
 
-        await node.p2p.add_binary_stream_handler(HEALTH, reset)
+        await node.net.p2p.add_binary_stream_handler(HEALTH, reset)
         maddr = (await node.visible_maddrs())[0]
         r = await asyncio.to_thread(probe.run_probe, maddr, None, 20.0)
     finally:

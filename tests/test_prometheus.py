@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from node.demo import LocalSwarm, free_port
+from node.ops.local_swarm import LocalSwarm, free_port
 
 from .test_docker_files import alert_exprs, dashboard_exprs
 

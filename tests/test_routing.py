@@ -1,4 +1,4 @@
-"""node/routing.py and the pure parts of node/membership.py: replica choice, bans, stage choice."""
+"""node/net/routing.py and the pure parts of node/net/membership.py: replica choice, bans, stage choice."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from node.routing import CapacityMeter, Router, announced_rate
+from node.net.routing import CapacityMeter, Router, announced_rate
 
 
 @dataclass
@@ -138,7 +138,7 @@ def test_stage_change_resets_local_load():
 
 
 def test_choose_stage_picks_least_served():
-    from node.membership import PeerRecord, choose_stage
+    from node.net.membership import PeerRecord, choose_stage
 
     recs = [PeerRecord("a", 0, "online", throughput=500), PeerRecord("b", 1, "online", throughput=200),
             PeerRecord("c", 2, "online", throughput=300)]
@@ -152,7 +152,7 @@ def test_choose_stage_picks_least_served():
 
 
 def test_choose_stage_weighs_capacity_not_throughput():
-    from node.membership import PeerRecord, choose_stage
+    from node.net.membership import PeerRecord, choose_stage
 
     # a running pipeline: every stage trains the same tokens/s, so throughput cannot tell where
     # compute is short; capacity (tokens per busy second) can. An older peer without capacity
@@ -166,7 +166,7 @@ def test_choose_stage_weighs_capacity_not_throughput():
 
 
 def test_peer_records_reject_malformed_values():
-    from node.membership import PeerRecord
+    from node.net.membership import PeerRecord
 
     good = PeerRecord("p", 1, "online", throughput=3.0, queue=2, version=9, maddrs=["/ip4/1.2.3.4/tcp/1"])
     assert PeerRecord.from_value(good.to_value()).version == 9

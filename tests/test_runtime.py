@@ -1,4 +1,4 @@
-"""node/runtime.py in one process: real stage runtimes exchanging real frames through an in-memory
+"""node/runtime/ in one process: real stage runtimes exchanging real frames through an in-memory
 transport (every frame is encoded and decoded with protocol.frames, exactly as on a stream).
 
 The multi-process, real-libp2p versions of these flows are tests/test_swarm_e2e.py,
@@ -10,23 +10,29 @@ dead next hop, skip propagation, verifier rejects and bans, state sync, checkpoi
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from node.memnet import MemTransport, Net, buffers_of, frame_of
-from node.metrics import NodeMetrics
-from node.p2p import BWD, FWD, PeerBusy, PeerRejected
-from node.routing import Router
-from node.runtime import ComputeWorker, QueueFull, RuntimeOptions, StageRuntime
+from tests.helpers.memnet import MemTransport, Net, buffers_of, frame_of
+from tests.helpers.runtime import (
+    Rec,
+    RecordingVerifier,
+    head_batches,
+    link,
+    make_runtime,
+    start_all,
+    stop_all,
+    train_until,
+    value,
+    wait_for,
+)
+from node.net.p2p import BWD, FWD, PeerBusy, PeerRejected
+from node.runtime import ComputeWorker, QueueFull
 from protocol.frames import Reason
 from protocol.messages import make_fwd
-from stages.model import build_stage
-from stages.optim import build_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,117 +44,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-# ---------------------------------------------------------------- test doubles
-
-
-@dataclass
-class Verdict:
-    accept: bool
-    reason: str = "ok"
-    score: float = 0.0
-
-
-@dataclass
-class RecordingVerifier:
-    """Counts what it is shown; rejects senders listed in ``reject``."""
-
-    reject: set = field(default_factory=set)
-    seen: list = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def verify(self, sender, direction, tensor, *, step=None, ids=None, mb=None):
-        assert threading.current_thread() is not threading.main_thread()  # off the event loop
-        assert ids is not None and tuple(ids.shape) == tuple(tensor.shape[:2]) and isinstance(mb, int)
-        with self.lock:
-            self.seen.append((sender, direction, tuple(tensor.shape)))
-        if sender in self.reject:
-            return Verdict(False, "test-reject", 9.0)
-        return Verdict(bool(torch.isfinite(tensor).all()), "ok")
-
-
-@dataclass
-class Rec:
-    peer_id: str
-    stage: int
-    state: str = "online"
-    throughput: float = 0.0
-    queue: int = 0
-    version: int = 0
-    maddrs: list = field(default_factory=list)
-
-
-def make_runtime(manifest, index, peer, net, *, verifier=None, batches=None, seed=0, **opts):
-    torch.manual_seed(seed)
-    stage = build_stage(manifest, index)
-    opt = build_optimizer(manifest, stage)
-    options = RuntimeOptions(**{"probe_after": 0.3, "forward_deadline": 3.0, "request_timeout": 2.0, **opts})
-    rt = StageRuntime(
-        manifest, index, stage, opt, transport=MemTransport(net, peer), router=Router(peer, rng=random.Random(1)),
-        metrics=NodeMetrics(), verifier=verifier or RecordingVerifier(), peer_id=peer, options=options,
-        batches=batches, rng=random.Random(seed + index),
-    )
-    return rt
-
-
-def link(runtimes):
-    recs = [Rec(rt.peer_id, rt.index) for rt in runtimes]
-    for rt in runtimes:
-        rt.router.update(recs)
-
-
-def head_batches(manifest):
-    from stages.data import Batches, load_corpus
-
-    corpus = load_corpus(manifest.data)
-    return Batches(corpus.train, manifest.data.batch_size, manifest.model.seq_len, seed=manifest.run.seed)
-
-
-async def start_all(runtimes):
-    for rt in runtimes:
-        await rt.start()
-        rt.set_state("online")
-
-
-async def stop_all(runtimes):
-    for rt in runtimes:
-        await rt.stop()
-
-
-def value(rt, name, **labels):
-    from node.demo import metric_sum, parse_metrics
-
-    return metric_sum(parse_metrics(rt.metrics.render().decode()), name, **labels)
-
-
-async def train_until(rts, steps, timeout=60.0, drain=False):
-    """Link and start ``rts`` (head first), drive the head to ``steps`` optimizer steps with nothing
-    left in flight, optionally drain every stage, and stop them all."""
-    head = rts[0]
-    link(rts)
-    await start_all(rts)
-    drive = asyncio.ensure_future(head.drive())
-    try:
-        assert await wait_for(lambda: head.version >= steps and head.inflight == 0, timeout=timeout)
-        await asyncio.wait_for(drive, 5)
-        if drain:
-            for rt in rts:
-                assert await rt.drain(5.0)
-    finally:
-        await stop_all(rts)
-
-
-async def wait_for(cond, timeout=30.0, step=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(step)
-    return False
-
-
-# ---------------------------------------------------------------- tests
 
 
 @pytest.mark.asyncio
@@ -407,7 +302,7 @@ def moved_replica(m, net, peer, version):
 
 @pytest.mark.asyncio
 async def test_joiner_downloads_the_exact_weights(test_manifest):
-    from node.state_sync import join_from_replicas
+    from node.net.state_sync import join_from_replicas
 
     m = test_manifest
     net = Net()
@@ -520,7 +415,7 @@ async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, ho
 
 
 def test_checkpoint_state_round_trip(test_manifest, tmp_path):
-    from node.checkpoint import load_latest_checkpoint, save_checkpoint
+    from node.ops.checkpoint import load_latest_checkpoint, save_checkpoint
 
     m = test_manifest
     net = Net()

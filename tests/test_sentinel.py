@@ -494,7 +494,7 @@ def test_bench_quick_runs_and_reports_every_attack():
 def test_bench_clean_summary_counts_false_positives_per_node():
     """``--part clean`` (a real swarm with no attacker) reports every rejection as a false
     positive and every ban as a false ban, per node and over the swarm, from /metrics samples."""
-    from tests.conftest import load_script
+    from tests.helpers.scripts import load_script
 
     bench = load_script("bench_sentinel")
     v = bench.VERDICTS

@@ -1,4 +1,4 @@
-"""The node's side of SENTINEL, in one process (node/runtime.py over the in-memory transport of
+"""The node's side of SENTINEL, in one process (node/runtime/ over the in-memory transport of
 tests/test_runtime.py): a ban makes the verifier forget the sender; the stage before a replica
 whose output keeps being refused stops routing work to it, and only the hop whose tensors were
 refused is blamed; attacks keep one instance per direction; the verifier's thread has its own
@@ -16,7 +16,7 @@ import torch
 
 from node.runtime import pin_torch_threads
 from security.verifier import SentinelVerifier
-from tests.test_runtime import (
+from tests.helpers.runtime import (
     Net,
     RecordingVerifier,
     head_batches,

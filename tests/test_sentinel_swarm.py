@@ -3,7 +3,7 @@ head, two replicas of the middle stage, tail; runs/test.toml with SENTINEL on) i
 middle replica joins with ``--attack scaling --allow-attacks``. Its neighbours ban it (the tail for
 its activations, the head because the tail keeps refusing its output), the honest replica
 carries the stage's traffic afterwards, training goes on with a finite loss, nobody honest is
-banned, and every process and p2pd is gone at the end. ``node.attack_drill`` runs the scenario
+banned, and every process and p2pd is gone at the end. ``tests.helpers.attack_drill`` runs the scenario
 (scripts/bench_sentinel.py ``--part real`` reports the same figures); the in-process versions of
 each rule are tests/test_sentinel_node.py.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.attack_drill import run_attack_drill
+from tests.helpers.attack_drill import run_attack_drill
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from node.demo import LocalSwarm, p2pd_pids_of
+from node.ops.local_swarm import LocalSwarm, p2pd_pids_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -159,7 +159,7 @@ def test_bench_subspace_quick_runs(capsys):
     """The benchmark's --quick smoke run prints one JSON object with every promised field."""
     import json
 
-    from tests.conftest import load_script
+    from tests.helpers.scripts import load_script
 
     bench = load_script("bench_subspace")
     assert bench.main(["--quick", "--steps", "3", "--val-batches", "1"]) == 0

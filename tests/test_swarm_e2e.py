@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from node.demo import LocalSwarm, metric_sum, p2pd_pids_of
+from node.ops.local_swarm import LocalSwarm, metric_sum, p2pd_pids_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -20,7 +20,7 @@ def basic_verifier_manifest(tmp_path):
     """runs/test.toml with the basic verifier (dtype, shape, finite) instead of SENTINEL. Every
     tensor still passes a verifier; SENTINEL's calibration is tested on its own, and one false
     positive there (a 60 s ban) would stall a daemon test for reasons that are not the daemon's."""
-    from node.demo import write_manifest
+    from node.ops.local_swarm import write_manifest
     from stages.manifest import load_manifest
 
     return str(write_manifest(load_manifest("test").replace(sentinel={"enabled": False}),

@@ -9,6 +9,7 @@ import torch
 from stages.manifest import load_manifest
 from stages.model import build_model, build_stage, lm_loss, rope_tables
 from stages.optim import build_optimizer
+from tests.helpers.warmup import trained_then_unlocked, warmup_ids, warmup_step
 from stages.warmup import ArchWarmup, default_warmup_schedule, warmup_blocks
 
 
@@ -18,32 +19,6 @@ def _manifest(optim="adamw", groups=((1,), (2,)), unlock=(3, 5)):
         optim={"name": optim, "lr": 1e-2, "weight_decay": 0.5},  # large decay: would show at once
         warmup={"enabled": True, "groups": [list(g) for g in groups], "unlock_steps": list(unlock)},
     )
-
-
-def _ids(seed, b=2, L=16):
-    return torch.randint(0, 256, (b, L), generator=torch.Generator().manual_seed(seed))
-
-
-def _step(model, opt, arch, step):
-    arch.apply(step, opt)
-    ids = _ids(step)
-    opt.zero_grad(set_to_none=True)
-    lm_loss(model(ids), ids).backward()
-    opt.step()
-
-def _trained_then_unlocked(m, ramp_steps=None):
-    """Three steps with layers 1 and 2 locked, then the unlock at step 3: (model, arch, opt,
-    ids, the output just before the unlock, the layers unlocked)."""
-    model = build_model(m)
-    arch = ArchWarmup(m, model, ramp_steps=ramp_steps)
-    opt = build_optimizer(m, model)
-    for step in range(3):
-        _step(model, opt, arch, step)
-    ids = _ids(100)
-    with torch.no_grad():
-        before = model(ids)
-    return model, arch, opt, ids, before, arch.apply(3, opt)
-
 
 
 def test_locked_block_is_exact_identity():
@@ -57,7 +32,7 @@ def test_locked_block_is_exact_identity():
     rope = rope_tables(16, m.model.head_dim, m.model.rope_theta)
     assert torch.equal(block(h, rope, model.codec.U), h)
     # the whole model equals the model with those layers removed
-    ids = _ids(0)
+    ids = warmup_ids(0)
     full = model(ids)
     model.layers = torch.nn.ModuleList([model.layers[0]])
     assert torch.equal(model(ids), full)
@@ -72,7 +47,7 @@ def test_locked_params_never_change(optim):
     locked = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(("layers.1.", "layers.2."))}
     active = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("layers.0.")}
     for step in range(3):
-        _step(model, opt, arch, step)
+        warmup_step(model, opt, arch, step)
     params = dict(model.named_parameters())
     for n, before in locked.items():
         assert torch.equal(params[n], before), n  # bitwise: no update, no weight decay
@@ -82,7 +57,7 @@ def test_locked_params_never_change(optim):
 
 def test_unlock_preserves_function_and_block_then_trains():
     m = _manifest("adamw")
-    model, arch, opt, ids, before, new = _trained_then_unlocked(m)
+    model, arch, opt, ids, before, new = trained_then_unlocked(m)
     assert new == [1] and arch.active_layers() == [0, 1] and arch.locked == {2}
     block = model.layers[1]
     assert block.active
@@ -120,7 +95,7 @@ def test_per_stage_warmup_matches_model():
     stages = [build_stage(m, i) for i in range(m.n_stages)]
     archs = [ArchWarmup(m, s) for s in stages]
     assert [sorted(a.locked) for a in archs] == [[], [1], [2]]  # each stage only its own blocks
-    ids = _ids(1)
+    ids = warmup_ids(1)
     for step in (0, 2, 4):
         full_arch.apply(step)
         news = [a.apply(step) for a in archs]
@@ -179,7 +154,7 @@ def test_default_schedule():
 
 def test_ramp_blends_the_unlocked_block_in_linearly():
     m = _manifest("adamw")
-    model, arch, opt, ids, before, new = _trained_then_unlocked(m, ramp_steps=4)
+    model, arch, opt, ids, before, new = trained_then_unlocked(m, ramp_steps=4)
     assert new == [1] and arch.gates == {1: 0.25}
     with torch.no_grad():
         assert torch.equal(model(ids), before)  # still exactly the identity at the unlock step
@@ -218,7 +193,7 @@ def test_ramp_steps_from_manifest_per_stage():
     assert full_arch.ramp_steps == 3
     stages = [build_stage(m, i) for i in range(m.n_stages)]
     archs = [ArchWarmup(m, s) for s in stages]
-    ids = _ids(3)
+    ids = warmup_ids(3)
 
     def chained():
         x = None
@@ -257,7 +232,7 @@ def test_pre_norm_unlock_preserves_function_and_trains():
     identity, the writers get gradient, and after one update the branch is small (it grows with
     its writers instead of jumping to RMS 1 as a peri-norm branch does)."""
     m = _manifest("adamw").replace(model={"block_norm": "pre"})
-    model, arch, opt, ids, before, new = _trained_then_unlocked(m)
+    model, arch, opt, ids, before, new = trained_then_unlocked(m)
     assert new == [1]
     with torch.no_grad():
         assert torch.equal(model(ids), before)

@@ -138,7 +138,7 @@ class NodeMetrics:
         self._busy_source = source
 
     def attach_averaging(self, source) -> None:
-        """``source()`` -> ``node.averaging.AveragingStats.as_dict()``, read at every scrape."""
+        """``source()`` -> ``node.net.averaging.AveragingStats.as_dict()``, read at every scrape."""
         self._averaging_source = source
 
     def render(self) -> bytes:

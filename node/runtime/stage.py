@@ -26,7 +26,7 @@ Read with DESIGN.md, "One microbatch through the swarm". Per node:
   every frame carries the sender's optimizer version and the staleness τ (own steps between a
   microbatch's forward and its gradient) is measured. ``asyncmesh.mode`` picks plain async,
   look-ahead or GPipe (``stages.asyncmesh.LookaheadForward``). After each step the replica
-  averager (``node.averaging``), when configured, gets its chance to average in the background.
+  averager (``node.net.averaging``), when configured, gets its chance to average in the background.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any, Callable
 
 import torch
 
-from node.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable
-from node.routing import CapacityMeter
+from node.net.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable
+from node.net.routing import CapacityMeter
 from protocol.frames import Limits, ProtocolError, Reason
 from protocol.messages import (
     Expect,
@@ -331,7 +331,7 @@ class StageRuntime:
         await self.transport.serve(FWD, self._on_fwd, limits=body_limit(self.expect_fwd))
         await self.transport.serve(BWD, self._on_bwd, limits=body_limit(self.expect_bwd))
         await self.transport.serve(HEALTH, self._on_health, limits=small)
-        from node.state_sync import serve_state
+        from node.net.state_sync import serve_state
 
         await self.transport.serve_stream(STATE, lambda frame, peer: serve_state(self, frame, peer), limits=small)
         self.metrics.version.set(self.version)
@@ -686,7 +686,7 @@ class StageRuntime:
         """Fetch this stage's current weights from another online replica and adopt them (between
         two compute jobs), with its optimizer version. Optimizer moments are kept (as a joiner
         rebuilds them, they are local statistics). False when no replica could give them."""
-        from node.state_sync import StateSyncError, fetch_from_replicas
+        from node.net.state_sync import StateSyncError, fetch_from_replicas
 
         peers = [p.peer_id for p in self.router.stage_peers(self.index)]
         try:
@@ -704,7 +704,7 @@ class StageRuntime:
 
     def _adopt_state(self, version: int, tensors: dict) -> None:
         """Compute-worker job: take a replica's weights and version."""
-        from node.state_sync import copy_state
+        from node.net.state_sync import copy_state
 
         copy_state(self.stage, tensors)
         self.set_version(version)
@@ -932,7 +932,7 @@ class StageRuntime:
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """Worker (or when nothing runs): CPU copies of model + optimizer state, and the meta."""
-        from node.checkpoint import flatten_module, flatten_optimizer
+        from node.ops.checkpoint import flatten_module, flatten_optimizer
         from stages.manifest import consensus_dict
 
         tensors = {k: v.detach().to("cpu").clone() for k, v in flatten_module(self.stage).items()}
@@ -955,7 +955,7 @@ class StageRuntime:
 
     def restore(self, tensors: dict, meta: dict) -> None:
         """Load a checkpoint written by ``checkpoint_state`` (before ``start``)."""
-        from node.checkpoint import restore_module, restore_optimizer
+        from node.ops.checkpoint import restore_module, restore_optimizer
 
         restore_module(self.stage, tensors)
         restore_optimizer(self.optimizer, tensors, meta["optim"])

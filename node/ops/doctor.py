@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_torch(device_spec: str) -> tuple[list[Check], str | None]:
     import torch
 
-    from node.resources import fmt_bytes, resolve_device
+    from node.ops.resources import fmt_bytes, resolve_device
 
     checks = [Check("torch", "ok", f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")]
     if torch.cuda.is_available():
@@ -74,7 +74,7 @@ def check_torch(device_spec: str) -> tuple[list[Check], str | None]:
 
 
 def check_memory(manifest_arg: str, stage_arg: str, device: str) -> list[Check]:
-    from node.resources import available_device_bytes, estimate_stage_memory, fmt_bytes
+    from node.ops.resources import available_device_bytes, estimate_stage_memory, fmt_bytes
     from stages.manifest import ManifestError, load_manifest
 
     try:

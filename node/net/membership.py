@@ -36,7 +36,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from node.routing import announced_rate
+from node.net.routing import announced_rate
 from stages.manifest import (
     PROTOCOL_VERSION,
     Manifest,
@@ -168,7 +168,7 @@ def start_dht(
         wait_timeout=3,
         shutdown_timeout=5,
         # hivemind's own check assumes RSA keys and spawns a second daemon; `swarm-node run`
-        # checks with node.identity.anonymous_identity_in_use before starting the DHT
+        # checks with node.net.identity.anonymous_identity_in_use before starting the DHT
         check_if_identity_free=False,
         **p2p_options(local),
     )

@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from node.cli import CliError
+    from node.ops.cli import CliError
     from stages.manifest import ManifestError, load_manifest
 
     try:
@@ -53,7 +53,7 @@ def main(args) -> int:
     if args.resume and not args.checkpoint_dir:
         raise CliError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     device = resolve_device(args.device)
-    from node.checkpoint import CheckpointError
+    from node.ops.checkpoint import CheckpointError
     from stages.data import DataError
 
     try:
@@ -89,7 +89,7 @@ def resolve_device(spec: str):
     """``auto`` -> cuda if available else cpu; ``cuda:N`` checked against the visible devices."""
     import torch
 
-    from node.cli import CliError
+    from node.ops.cli import CliError
 
     spec = (spec or "auto").strip().lower()
     if spec == "auto":
@@ -132,7 +132,7 @@ def train(
     """
     import torch
 
-    from node.checkpoint import (
+    from node.ops.checkpoint import (
         flatten_module,
         flatten_optimizer,
         load_latest_checkpoint,

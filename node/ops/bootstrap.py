@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from node.cli import CliError
+from node.ops.cli import CliError
 
 log = logging.getLogger("swarm_node.bootstrap")
 
@@ -45,9 +45,9 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
-    from node.config import tcp_ports
+    from node.ops.config import tcp_ports
     from node.daemon import check_port_free
-    from node.identity import check_identity
+    from node.net.identity import check_identity
 
     host = args.host_maddrs or (["/ip4/127.0.0.1/tcp/0"] if args.local else ["/ip4/0.0.0.0/tcp/31337"])
     for m in list(host) + list(args.announce_maddrs) + list(args.initial_peers):
@@ -66,7 +66,7 @@ def _main(args) -> int:
         except ManifestError as e:
             raise CliError(f"--manifest {args.manifest}: {e}") from None
 
-    from node.membership import BootstrapError, ManifestMismatch, Membership, start_dht, stop_dht
+    from node.net.membership import BootstrapError, ManifestMismatch, Membership, start_dht, stop_dht
 
     stop = threading.Event()
 

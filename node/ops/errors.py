@@ -1,4 +1,4 @@
-"""Errors shared by the subcommands (kept apart from node/cli.py, which may run as __main__)."""
+"""Errors shared by the subcommands (kept apart from node/ops/cli.py, which may run as __main__)."""
 
 
 class CliError(Exception):

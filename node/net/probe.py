@@ -1,6 +1,6 @@
 """``swarm-node probe MULTIADDR``: check a node from the outside with a second libp2p stack.
 
-The probe runs py-libp2p (``node.probe_libp2p``) in a child process (py-libp2p and hivemind can
+The probe runs py-libp2p (``node.net.probe_libp2p``) in a child process (py-libp2p and hivemind can
 never share one), dials the node over Noise + yamux, calls ``/swarm-node/health/1``, then sends
 one ``fwd`` frame for a run id the node does not serve, which a healthy node refuses with
 ``reject``/``wrong-run``. It reports reachability, round-trip latencies, the node's protocol
@@ -15,14 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.cli import CliError
+from node.ops.cli import CliError
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_probe(maddr: str, run: str | None = None, timeout: float = 10.0) -> dict:
     """Run the py-libp2p probe in a subprocess and return its JSON result."""
-    cmd = [sys.executable, "-m", "node.probe_libp2p", maddr, "--timeout", str(timeout)]
+    cmd = [sys.executable, "-m", "node.net.probe_libp2p", maddr, "--timeout", str(timeout)]
     if run:
         cmd += ["--run", run]
     env = dict(os.environ)

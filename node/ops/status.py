@@ -87,7 +87,7 @@ def fetch_metrics(target: str, timeout: float) -> str:
 
 
 async def status_from_multiaddr(maddr: str, timeout: float) -> dict[str, Any]:
-    from node.p2p import HEALTH, Transport
+    from node.net.p2p import HEALTH, Transport
     from protocol.messages import make_health_request, parse_health
 
     transport = await Transport.start(host_maddrs=("/ip4/127.0.0.1/tcp/0",) if "/127." in maddr
@@ -124,7 +124,7 @@ def format_status(st: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from node.cli import CliError
+    from node.ops.cli import CliError
 
     if args.target.startswith("/"):
         import asyncio

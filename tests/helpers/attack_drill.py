@@ -1,7 +1,7 @@
 """Attack drill: a real loopback swarm in which one middle replica poisons what it sends.
 
 Shared by tests/test_sentinel_swarm.py (asserts) and scripts/bench_sentinel.py ``--part real``
-(reports). Every node is a real ``swarm-node run`` process (``node.demo.LocalSwarm``: own p2pd,
+(reports). Every node is a real ``swarm-node run`` process (``node.ops.local_swarm.LocalSwarm``: own p2pd,
 own metrics port, own process group). The run:
 
 1. bootstrap, head (stage 0), ``honest`` replicas of stage 1, tail (stage 2), SENTINEL on;
@@ -27,7 +27,7 @@ import re
 import time
 from pathlib import Path
 
-from node.demo import LocalSwarm, NodeProc, metric_sum, p2pd_pids_of, write_manifest
+from node.ops.local_swarm import LocalSwarm, NodeProc, metric_sum, p2pd_pids_of, write_manifest
 
 BAN_CAUSES = ("verifier", "verifier-downstream")
 _LOSS = re.compile(r"step (\d+) loss ([0-9.]+|nan|inf)")
@@ -47,7 +47,7 @@ def peer_id_of(node: NodeProc) -> str | None:
 
 def banned_in_logs(node: NodeProc, peer: str) -> int:
     """How many times ``node`` logged a ban of ``peer`` (routing bans of every cause)."""
-    return len(re.findall(rf"\bbanned {re.escape(peer)} for ", node.logs()))
+    return len(re.findall(rf"\bbanned {re.escape(peer)} for ", node.ops.logs()))
 
 
 def _served(sw: LocalSwarm, node: NodeProc) -> float:

@@ -14,17 +14,17 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("node.daemon", "run a node that holds one pipeline stage of a run"),
-    "demo": ("node.demo", "start a bootstrap peer and a whole local swarm that trains the default run"),
-    "bootstrap": ("node.bootstrap", "run a DHT-only entry peer and print its multiaddrs"),
-    "train-local": ("node.train_local", "train the chained stages in one process (the reference baseline)"),
-    "keygen": ("node.identity", "write a persistent libp2p identity key (mode 0600)"),
-    "status": ("node.status", "show a node's stage, state, peers, throughput, capacity and loss"),
-    "probe": ("node.probe", "dial a node with py-libp2p (a second libp2p implementation) and test it"),
-    "doctor": ("node.doctor", "check this machine: torch/CUDA, memory, ports, p2pd, clock, identity"),
+    "demo": ("node.ops.demo", "start a bootstrap peer and a whole local swarm that trains the default run"),
+    "bootstrap": ("node.ops.bootstrap", "run a DHT-only entry peer and print its multiaddrs"),
+    "train-local": ("node.ops.train_local", "train the chained stages in one process (the reference baseline)"),
+    "keygen": ("node.net.identity", "write a persistent libp2p identity key (mode 0600)"),
+    "status": ("node.ops.status", "show a node's stage, state, peers, throughput, capacity and loss"),
+    "probe": ("node.net.probe", "dial a node with py-libp2p (a second libp2p implementation) and test it"),
+    "doctor": ("node.ops.doctor", "check this machine: torch/CUDA, memory, ports, p2pd, clock, identity"),
 }
 
 
-from node.errors import CliError  # noqa: E402,F401 - re-exported: `from node.cli import CliError`
+from node.ops.errors import CliError  # noqa: E402,F401 - re-exported: `from node.ops.cli import CliError`
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from node.logs import setup_logging
+    from node.ops.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     if getattr(args, "_missing", None):

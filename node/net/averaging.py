@@ -349,10 +349,10 @@ class ReplicaAverager:
 
 def _averager_class():
     """hivemind's averager whose child process dies with the node (even after ``kill -9`` of the
-    node alone), like the DHT process in node/membership.py."""
+    node alone), like the DHT process in node/net/membership.py."""
     from hivemind.averaging import DecentralizedAverager
 
-    from node.membership import _set_parent_death_signal
+    from node.net.membership import _set_parent_death_signal
 
     class _Averager(DecentralizedAverager):
         def run(self):

@@ -1,4 +1,4 @@
-"""An in-memory stand-in for ``node.p2p.Transport``: the runtime's frames are encoded and decoded
+"""An in-memory stand-in for ``node.net.p2p.Transport``: the runtime's frames are encoded and decoded
 with ``protocol.frames`` exactly as on a libp2p stream, and the same exceptions come back
 (busy, rejected, unreachable), but nothing leaves the process.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from node.p2p import PeerBusy, PeerRejected, PeerUnreachable
+from node.net.p2p import PeerBusy, PeerRejected, PeerUnreachable
 from protocol.frames import FrameDecoder, ProtocolError, encode_frame
 from protocol.messages import make_reject
 
@@ -40,7 +40,7 @@ class Net:
 
 
 class MemTransport:
-    """node.p2p.Transport's interface over memory: same frames, same exceptions."""
+    """node.net.p2p.Transport's interface over memory: same frames, same exceptions."""
 
     def __init__(self, net: Net, peer_id: str):
         self.net, self.peer_id = net, peer_id

@@ -19,7 +19,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from node.cli import CliError
+from node.ops.cli import CliError
 
 KEY_RSA, KEY_ED25519 = 0, 1
 _ED25519_PRIVATE_LEN = 64  # seed (32) + public key (32), the libp2p encoding
@@ -257,7 +257,7 @@ async def anonymous_identity_in_use(
     """Start a throwaway daemon with a random identity, bootstrapped from ``initial_peers``, and
     ask :func:`identity_in_use` about the peer id of ``identity_path``. For ``swarm-node run``
     before it starts its own daemon with that identity."""
-    from node.p2p import Transport
+    from node.net.p2p import Transport
 
     peer_id = check_identity(identity_path)
     if not initial_peers:

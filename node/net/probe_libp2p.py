@@ -1,9 +1,9 @@
 """The py-libp2p side of ``swarm-node probe``: a second, independent libp2p stack dials a node.
 
-Run as ``python -m node.probe_libp2p MULTIADDR [--run RUN] [--timeout S]``; prints one JSON
-object to stdout. ``node.probe`` starts it as a subprocess, because py-libp2p (Trio) and hivemind
+Run as ``python -m node.net.probe_libp2p MULTIADDR [--run RUN] [--timeout S]``; prints one JSON
+object to stdout. ``node.net.probe`` starts it as a subprocess, because py-libp2p (Trio) and hivemind
 (asyncio, go-libp2p daemon) register the same protobuf symbols and can never share a process.
-Never import hivemind (or node.p2p) here.
+Never import hivemind (or node.net.p2p) here.
 
 The frames are written from the byte-level spec (docs/PROTOCOL.md), not with ``protocol/``:
 ``b"SWN1"``, u32 big-endian header length, msgpack header, raw little-endian tensor bytes. So the
@@ -177,7 +177,7 @@ async def probe(maddr: str, run: str, timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m node.probe_libp2p")
+    parser = argparse.ArgumentParser(prog="python -m node.net.probe_libp2p")
     parser.add_argument("maddr")
     parser.add_argument("--run", default=None, help="run id for the fwd frame (default: a surely wrong one)")
     parser.add_argument("--timeout", type=float, default=10.0)

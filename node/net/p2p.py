@@ -16,7 +16,7 @@ Backpressure is explicit: a server that already runs ``max_streams_per_peer`` ex
 peer, or ``max_inflight_handlers`` in total, answers ``reject``/``busy`` at once without reading
 the request, and the caller raises :class:`PeerBusy` so its router can pick another replica.
 
-hivemind is imported lazily (inside functions) so ``import node.p2p`` stays cheap.
+hivemind is imported lazily (inside functions) so ``import node.net.p2p`` stays cheap.
 """
 
 from __future__ import annotations
@@ -179,12 +179,12 @@ class Transport:
 
         kwargs: dict[str, Any] = {}
         if identity_path is not None:
-            from node.identity import check_identity
+            from node.net.identity import check_identity
 
             check_identity(identity_path)
             kwargs["identity_path"] = os.fspath(identity_path)
             # hivemind's own check assumes RSA keys and spawns a second daemon; the node calls
-            # node.identity.identity_in_use through its DHT instead.
+            # node.net.identity.identity_in_use through its DHT instead.
             kwargs["check_if_identity_free"] = False
         p2p = await P2P.create(
             initial_peers=list(initial_peers) or None,

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from node.p2p import STATE, PeerBusy, PeerRejected, PeerUnreachable
+from node.net.p2p import STATE, PeerBusy, PeerRejected, PeerUnreachable
 from protocol.frames import ProtocolError, Reason
 from protocol.messages import StateAssembler, make_state_request, state_chunks, validate_state_request
 

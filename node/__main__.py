@@ -1,0 +1,5 @@
+"""``python -m node``: the same as the ``swarm-node`` command."""
+
+from node.ops.cli import main
+
+raise SystemExit(main())
