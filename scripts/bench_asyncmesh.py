@@ -74,7 +74,7 @@ from stages.asyncmesh import (  # noqa: E402
     snapshot,
 )
 from stages.data import Batches, load_corpus, val_batches  # noqa: E402
-from stages.manifest import even_layout, load_manifest  # noqa: E402
+from stages.manifest import ManifestError, even_layout, load_manifest  # noqa: E402
 from stages.model import build_model, build_stage, count_parameters, lm_loss  # noqa: E402
 from stages.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 
@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--manifest", default="default", help="manifest file or shipped name")
     p.add_argument("--d-model", type=int, default=64, help="model width (0: manifest's)")
     p.add_argument("--n-layers", type=int, default=6, help="layers (0: manifest's); split evenly over stages")
-    p.add_argument("--k", type=int, default=8, help="subspace rank k (0: the manifest's compression rate)")
+    p.add_argument("--k", type=int, default=8, help="subspace.k, coordinates per token (0: the manifest's)")
     p.add_argument("--stages", type=int, default=3, help="pipeline stages S")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch / step")
@@ -173,11 +173,12 @@ def make_manifest(args):
     if args.n_layers:
         model["n_layers"] = args.n_layers
     model["seq_len"] = args.seq_len
-    m = m.replace(model=model) if model else m
-    if args.k and m.subspace.enabled:
-        if m.model.d_model % args.k:
-            raise SystemExit(f"--k {args.k} does not divide d_model {m.model.d_model}")
-        m = m.replace(subspace={"compression_rate": m.model.d_model // args.k})
+    # model and k in one replace: a width and a k that fit together are valid in either order
+    subspace = {"k": args.k} if args.k and m.subspace.enabled else {}
+    try:
+        m = m.replace(model=model, subspace=subspace)
+    except ManifestError as e:
+        raise SystemExit(f"--d-model {args.d_model} --k {args.k}: {e}") from None
     n, S = m.model.n_layers, args.stages
     if S > n:
         raise SystemExit(f"--stages {S} exceeds the model's {n} layers")

@@ -93,7 +93,7 @@ def base_manifest(args):
     return m.replace(
         model={"d_model": args.d_model, "n_layers": n, "n_heads": 4, "seq_len": args.seq_len},
         stages={"layout": [[cut[i], cut[i + 1]] for i in range(3)]},
-        subspace={"compression_rate": args.d_model // args.k},
+        subspace={"k": args.k},
         data={"batch_size": args.batch},
         schedule={"kind": "cosine", "warmup_steps": args.lr_warmup, "total_steps": args.steps},
     )
@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-run-steps", type=int, default=200, help="steps per warm-up experiment run")
     ap.add_argument("--d-model", type=int, default=256, help="optimizer comparison: width (256: the default model)")
     ap.add_argument("--layers", type=int, default=6, help="optimizer comparison: depth (6: the default model)")
-    ap.add_argument("--k", type=int, default=8, help="optimizer comparison: subspace rank (8: the default model)")
+    ap.add_argument("--k", type=int, default=8, help="optimizer comparison: subspace.k, coordinates per token (8: the default model)")
     ap.add_argument("--optim-seeds", default="0,1,2",
                     help="optimizer comparison seeds (run.seed offsets: init and data order); figures are means")
     ap.add_argument("--lr-adamw", type=float, default=3e-3, help="optimizer comparison: AdamW's peak lr")
@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr-warmup", type=int, default=20, help="optimizer comparison: LR warm-up steps")
     ap.add_argument("--warmup-d-model", type=int, default=32, help="warm-up experiment: width")
     ap.add_argument("--warmup-layers", type=int, default=24, help="warm-up experiment: depth")
-    ap.add_argument("--warmup-k", type=int, default=4, help="warm-up experiment: subspace rank")
+    ap.add_argument("--warmup-k", type=int, default=4, help="warm-up experiment: subspace.k, coordinates per token")
     ap.add_argument("--warmup-block-norm", choices=["peri", "pre", "post"], default="post",
                     help="warm-up experiment: model.block_norm (pre: standard pre-norm blocks; post: post-LN "
                          "blocks, which makes the warm-up model dense, subspace.enabled = false)")

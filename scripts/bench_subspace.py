@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=0, help="validation batches (0: manifest's)")
     p.add_argument("--lr", type=float, default=0.0, help="peak learning rate (0: manifest's)")
     p.add_argument("--token-table-scale", type=float, default=-1.0, help="override subspace.token_table_scale")
-    p.add_argument("--compression-rate", type=int, default=0, help="override subspace.compression_rate")
+    p.add_argument("--k", type=int, default=0, help="override subspace.k, coordinates per token (0: manifest's)")
     p.add_argument("--constrain-tail", choices=("manifest", "yes", "no"), default="manifest")
     p.add_argument("--variants", default="dense,subspace", help="comma list of dense,subspace")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -75,8 +75,8 @@ def settings_manifest(args):
     sub: dict = {}
     if args.token_table_scale >= 0:
         sub["token_table_scale"] = args.token_table_scale
-    if args.compression_rate:
-        sub["compression_rate"] = args.compression_rate
+    if args.k:
+        sub["k"] = args.k
     if args.constrain_tail != "manifest":
         sub["constrain_tail"] = args.constrain_tail == "yes"
     model = {"seq_len": args.seq_len} if args.seq_len else {}

@@ -1,13 +1,17 @@
 """Run manifest: everything the peers of one run must agree on, as typed dataclasses from TOML.
 
 A manifest fixes the model shape, the stage layout (which layers each stage holds), the
-Subspace compression rate, the seed (basis U and token table T derive from it), optimizer and
-schedule, data, AsyncMesh averaging, SENTINEL parameters and the protocol version.
+Subspace width k (coordinates per token on the wire), the seed (basis U and token table T
+derive from it), optimizer and schedule, data, AsyncMesh averaging, SENTINEL parameters and the
+protocol version (``protocol.frames.PROTOCOL_VERSION``).
 
 ``load_manifest(path)`` parses and validates; every mistake raises ``ManifestError`` naming
 the field (``model.n_heads: 6 does not divide model.d_model=256``). ``manifest_hash`` is the
 SHA-256 of the canonical JSON of the *consensus* fields; ``diff_manifests`` names the fields
 that differ so a node that refuses to join can say why.
+
+Deprecated keys still load: ``[subspace] compression_rate = R`` (the old spelling of the width)
+becomes ``k = d_model // R`` with a ``ManifestDeprecationWarning`` naming the replacement.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import hashlib
 import json
 import math
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROTOCOL_VERSION = 1
+from protocol.frames import PROTOCOL_VERSION
 
 KNOWN_OPTIMIZERS = ("adamw", "adam", "nadam", "sgd", "muon", "numuon")
 KNOWN_SCHEDULES = ("constant", "cosine", "linear")
@@ -34,6 +39,14 @@ KNOWN_BLOCK_NORMS = ("peri", "pre", "post")
 
 class ManifestError(ValueError):
     """A manifest is unusable; the message names the field and what is wrong with it."""
+
+
+class ManifestDeprecationWarning(FutureWarning):
+    """A manifest uses a deprecated key; the message names the replacement.
+
+    A FutureWarning, not a DeprecationWarning: manifests are written by a run's organisers and
+    operators, and Python's default filters hide DeprecationWarnings raised outside ``__main__``.
+    """
 
 
 @dataclass(frozen=True)
@@ -74,12 +87,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SubspaceConfig:
     enabled: bool = True
-    compression_rate: int = 32  # k = d_model // compression_rate
+    k: int = 8  # coordinates per token on the wire, c = Uᵀ(h − T[x]); 1 <= k <= d_model
     constrain_tail: bool = False
     token_table_scale: float = 1.0  # T ~ N(0, scale^2 / d) per entry
-
-    def rank(self, d_model: int) -> int:
-        return d_model // self.compression_rate if self.enabled else d_model
 
 
 @dataclass(frozen=True)
@@ -227,8 +237,8 @@ class Manifest:
 
     @property
     def k(self) -> int:
-        """Boundary width: subspace rank k, or d_model for a dense run."""
-        return self.subspace.rank(self.model.d_model)
+        """Boundary width: ``subspace.k`` coordinates per token, or d_model for a dense run."""
+        return self.subspace.k if self.subspace.enabled else self.model.d_model
 
     @property
     def n_stages(self) -> int:
@@ -322,6 +332,7 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
     if not isinstance(data, dict):
         raise ManifestError("manifest must be a table of sections")
     sections: dict[str, Any] = {}
+    compression_rate: Any = None  # the deprecated [subspace] compression_rate, if given
     for section, values in data.items():
         if section not in _SECTIONS:
             raise ManifestError(
@@ -329,6 +340,9 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
             )
         if not isinstance(values, dict):
             raise ManifestError(f"[{section}] must be a table")
+        if section == "subspace" and "compression_rate" in values:
+            values = dict(values)
+            compression_rate = _coerce(section, "compression_rate", 0, values.pop("compression_rate"))
         cls = _section_class(section)
         defaults = cls()
         known = {f.name for f in dataclasses.fields(cls)}
@@ -344,9 +358,45 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
                                     "omit the field for the optimizer's default")
             kwargs[name] = _coerce(section, name, getattr(defaults, name), value)
         sections[section] = cls(**kwargs)
+    if compression_rate is not None:
+        sections["subspace"] = _k_from_compression_rate(
+            sections["subspace"], compression_rate, "k" in data["subspace"],
+            sections.get("model", ModelConfig()).d_model,
+        )
     manifest = Manifest(**sections)
     validate_manifest(manifest)
     return manifest
+
+
+def _k_from_compression_rate(sub: SubspaceConfig, rate: int, k_given: bool, d_model: int) -> SubspaceConfig:
+    """``[subspace]`` with the deprecated ``compression_rate = R`` read as ``k = d_model // R``.
+
+    Warns (ManifestDeprecationWarning) with the replacement; refuses a rate that gives no
+    coordinates and a ``k`` given alongside that disagrees with the rate.
+    """
+    if rate < 1:
+        raise ManifestError(
+            f"subspace.compression_rate: must be >= 1, got {rate} (the key is deprecated: "
+            f"write subspace.k, the coordinates per token, 1..{d_model})"
+        )
+    k = d_model // rate
+    if k_given:
+        if sub.k != k:
+            raise ManifestError(
+                f"subspace.k = {sub.k} and the deprecated subspace.compression_rate = {rate} disagree: "
+                f"the rate means k = d_model // compression_rate = {d_model} // {rate} = {k}; "
+                "remove compression_rate and keep k"
+            )
+        message = f"subspace.compression_rate is deprecated and repeats subspace.k = {k}: remove it"
+    else:
+        if k < 1 and sub.enabled:
+            raise ManifestError(
+                f"subspace.k: k = d_model // compression_rate = {d_model} // {rate} = 0 coordinates per "
+                f"token; subspace.compression_rate is deprecated: write k = N with 1 <= N <= {d_model}"
+            )
+        message = f'subspace.compression_rate is deprecated: write "k = {k}" (d_model {d_model} // {rate})'
+    warnings.warn(message, ManifestDeprecationWarning, stacklevel=3)
+    return dataclasses.replace(sub, k=k)
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -409,12 +459,12 @@ def validate_manifest(m: Manifest) -> None:
         raise ManifestError("model.vocab_size: too large")
     sub = m.subspace
     if sub.enabled:
-        if sub.compression_rate < 1:
-            raise ManifestError(f"subspace.compression_rate: must be >= 1, got {sub.compression_rate}")
-        if md.d_model // sub.compression_rate == 0:
+        if sub.k < 1:
+            raise ManifestError(f"subspace.k: must be >= 1 (coordinates per token on the wire), got {sub.k}")
+        if sub.k > md.d_model:
             raise ManifestError(
-                f"subspace.compression_rate: k = d_model // compression_rate = "
-                f"{md.d_model} // {sub.compression_rate} = 0; lower the rate"
+                f"subspace.k: {sub.k} coordinates per token exceed model.d_model={md.d_model}; "
+                f"k must be in 1..{md.d_model}"
             )
     if sub.token_table_scale < 0:
         raise ManifestError("subspace.token_table_scale: must be >= 0")

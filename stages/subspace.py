@@ -2,8 +2,9 @@
 
 Every residual writer of a constrained stage has its column space in span(U), and the token
 embedding is ``T[x] + U·Zemb[x]``, so at every layer ``h = T[x] + U·c`` with ``c`` of width
-``k = d // compression_rate``. A stage boundary therefore sends only ``c`` (plus the token ids,
-which the next stage needs anyway) and the receiver rebuilds ``h`` exactly:
+``k`` (the manifest's ``subspace.k``, coordinates per token). A stage boundary therefore sends
+only ``c`` (plus the token ids, which the next stage needs anyway) and the receiver rebuilds
+``h`` exactly:
 
     encode:  c = (h − T[x]) · U          (B, L, k)
     decode:  h = c · Uᵀ + T[x]           (B, L, d)
