@@ -271,53 +271,62 @@ class Node:
     # ---- synchronous part (main thread: hivemind's averager forks)
 
     def setup(self) -> None:
+        """What must happen on the main thread before the event loop: the model, the optimizer,
+        the data shard, the averager (hivemind's forks), the checkpoint to resume and the step log.
+        The runtime itself is built in ``serve`` once the transport exists."""
         import torch
 
         from node.net.routing import Router
-        from node.runtime import RuntimeOptions, StageRuntime, new_microbatch_rng
+        from node.runtime import new_microbatch_rng
         from stages.model import build_stage
         from stages.optim import build_optimizer
 
         m, index = self.m, self.index
-        stage = build_stage(m, index, device=self.device)
-        optimizer = build_optimizer(m, stage)
-        batches = self._batches() if index == 0 else None
+        self.stage = build_stage(m, index, device=self.device)
+        self.optimizer = build_optimizer(m, self.stage)
+        self.batches = self._batches() if index == 0 else None
         self.router = Router(self.peer_id, rng=new_microbatch_rng(self.cfg.seed))
-        options = RuntimeOptions(
-            queue_size=self.cfg.queue_size, context_ttl=self.cfg.context_ttl,
-            request_timeout=self.cfg.request_timeout, max_inflight=self.cfg.max_inflight,
-            steps=self.cfg.steps, checkpoint_every=self.cfg.checkpoint_every,
-            forward_deadline=max(10.0, self.cfg.request_timeout * 2),
-            use_amp=self.device.type == "cuda",
-        )
-        self.averager = self._averager(stage, optimizer) if self.cfg.averaging else None
+        self.averager = self._averager(self.stage, self.optimizer) if self.cfg.averaging else None
         if self.averager is not None:
             self.metrics.attach_averaging(lambda: self.averager.stats.as_dict())
-        self.runtime = StageRuntime(
-            m, index, stage, optimizer, transport=None, router=self.router, metrics=self.metrics,
-            verifier=make_verifier(m, index), peer_id=self.peer_id, device=self.device, options=options,
-            batches=batches, averager=self.averager,
-            checkpointer=self._save_async if self.cfg.checkpoint_dir else None,
-            rng=new_microbatch_rng(self.cfg.seed),
-        )
+        self.attacks = None
         if self.cfg.attack:
-            self.runtime.attacks = make_attacks(self.cfg.attack, seed=self.cfg.seed)
+            self.attacks = make_attacks(self.cfg.attack, seed=self.cfg.seed)
             log.warning("TESTING: this node poisons what it sends with the %r attack", self.cfg.attack)
-        self.restored = self.checkpoint is not None
-        if self.checkpoint is not None:
-            step, tensors, meta = self.checkpoint
-            self.runtime.restore(tensors, meta)
-            self.metrics.checkpoint_step.set(step)
-            _announce_line(f"resumed stage {index} from checkpoint step {step} in {self.cfg.checkpoint_dir}")
-        del self.checkpoint
+        self.step_log = None
         if self.cfg.json_log:
             try:
-                self.runtime.step_log = open(self.cfg.json_log, "a", encoding="utf-8")
+                self.step_log = open(self.cfg.json_log, "a", encoding="utf-8")
             except OSError as e:
                 raise CliError(f"--json-log {self.cfg.json_log}: cannot open it ({e.strerror})") from None
-        if self.server is not None:
-            self.server.status_fn = lambda: self.runtime.status_cache
         torch.manual_seed(self.cfg.seed or int.from_bytes(os.urandom(4), "little"))
+
+    def _runtime(self, transport):
+        """The stage runtime over ``transport``, resumed from the checkpoint if there is one."""
+        from node.runtime import RuntimeOptions, StageRuntime, new_microbatch_rng
+
+        cfg = self.cfg
+        options = RuntimeOptions(
+            queue_size=cfg.queue_size, context_ttl=cfg.context_ttl, request_timeout=cfg.request_timeout,
+            max_inflight=cfg.max_inflight, steps=cfg.steps, checkpoint_every=cfg.checkpoint_every,
+            forward_deadline=max(10.0, cfg.request_timeout * 2), use_amp=self.device.type == "cuda",
+        )
+        rt = StageRuntime(
+            self.m, self.index, self.stage, self.optimizer, transport=transport, router=self.router,
+            metrics=self.metrics, verifier=make_verifier(self.m, self.index), peer_id=self.peer_id,
+            device=self.device, options=options, batches=self.batches, averager=self.averager,
+            checkpointer=self._save_async if cfg.checkpoint_dir else None, rng=new_microbatch_rng(cfg.seed),
+            attacks=self.attacks, step_log=self.step_log,
+        )
+        if self.checkpoint is not None:
+            step, tensors, meta = self.checkpoint
+            rt.restore(tensors, meta)
+            self.metrics.checkpoint_step.set(step)
+            _announce_line(f"resumed stage {self.index} from checkpoint step {step} in {cfg.checkpoint_dir}")
+            self.checkpoint = None
+        if self.server is not None:
+            self.server.status_fn = lambda: rt.status_cache
+        return rt
 
     def _batches(self):
         from stages.data import Batches, DataError, load_corpus
@@ -374,9 +383,10 @@ class Node:
         from node.net.membership import PeerRecord
         from node.net.p2p import Transport
         from node.net.state_sync import StateSyncError, join_from_replicas
+        from node.runtime import max_batch_for
         from protocol.frames import Limits
 
-        cfg, rt = self.cfg, self.runtime
+        cfg = self.cfg
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._announce_now = asyncio.Event()
@@ -384,10 +394,12 @@ class Node:
             loop.add_signal_handler(sig, self._on_signal, sig)
 
         p2p = await self.dht.replicate_p2p()
-        limits = Limits(max_body_bytes=max(64 << 20, 2 * rt.max_batch * self.m.model.seq_len * (self.m.k * 4 + 8)))
+        max_batch = max_batch_for(self.m)
+        limits = Limits(max_body_bytes=max(64 << 20, 2 * max_batch * self.m.model.seq_len * (self.m.k * 4 + 8)))
         transport = Transport(p2p, limits=limits, max_streams_per_peer=max(16, 4 * cfg.queue_size))
-        rt.transport = transport
         self.transport = transport
+        restored = self.checkpoint is not None
+        self.runtime = rt = self._runtime(transport)
         await rt.start()
         self.metrics.attach_wire_stats(lambda: transport.stats.bytes)
         bg = [asyncio.ensure_future(self._announce_loop(PeerRecord)),
@@ -398,7 +410,7 @@ class Node:
             rt.set_state("joining")
             self._set_server_state("joining")
             await self._refresh_peers()
-            if not self.restored:
+            if not restored:
                 replicas = [p.peer_id for p in self.router.stage_peers(self.index)]
                 if replicas:
                     try:
@@ -426,7 +438,8 @@ class Node:
     def _on_signal(self, sig) -> None:
         if self._stop.is_set():
             log.warning("second %s: leaving without draining", signal.Signals(sig).name)
-            self.runtime._stopping = True
+            if self.runtime is not None:
+                self.runtime.abandon()
         log.info("%s received: draining and leaving", signal.Signals(sig).name)
         self._stop.set()
 
@@ -464,7 +477,7 @@ class Node:
             st = "joining"
         rec = PeerRecord(self.peer_id, self.index, st,
                          throughput=rt.tokens_per_s(), capacity=rt.capacity_tokens_per_s(),
-                         queue=rt.worker.depth("fwd") if rt.worker else 0, version=rt.version, maddrs=self.maddrs)
+                         queue=rt.worker.depth("fwd"), version=rt.version, maddrs=self.maddrs)
         try:
             await self.membership.aannounce(rec, ttl=ttl, timeout=timeout)
         except Exception as e:  # noqa: BLE001
@@ -499,17 +512,16 @@ class Node:
         watchdog.daemon = True
         watchdog.start()
         self._set_server_state("draining")
-        if rt.worker is not None:
-            rt.set_state("draining")
-            self._announce_now.set()  # tell the swarm at once, so routers stop sending us work
-            await asyncio.sleep(0)
-        drained = await rt.drain(cfg.drain_timeout) if rt.worker is not None else True
+        rt.set_state("draining")
+        self._announce_now.set()  # tell the swarm at once, so routers stop sending us work
+        await asyncio.sleep(0)
+        drained = await rt.drain(cfg.drain_timeout)
         log.info("drain %s in %.1f s", "complete" if drained else "timed out", time.monotonic() - t0)
         if self.dht.is_alive():
             await self._announce(PeerRecord, state="offline", ttl=max(2 * cfg.announce_every, 5.0), timeout=3.0)
         self._closing = True
         await cancel_all(bg)
-        if cfg.checkpoint_dir and rt.worker is not None and rt.version > 0:
+        if cfg.checkpoint_dir and rt.version > 0:
             try:
                 tensors, meta = await asyncio.wait_for(rt.worker.submit("ctl", rt.checkpoint_state), 30)
                 await asyncio.get_running_loop().run_in_executor(self._ckpt_pool, self._save, rt.version,

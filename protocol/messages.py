@@ -7,13 +7,16 @@
 type, run and manifest, header field types, sender stage, codec, staleness, route, tensor names,
 dtypes, shapes, and last finite values. Non-finite values are ``bad-frame``: a NaN/Inf in an activation
 or gradient is never valid on the wire, whereas ``rejected-by-verifier`` is kept for finite
-tensors that SENTINEL (``security/``) judges to be an attack.
+tensors that SENTINEL (``security/``) judges to be an attack. Meaning travels in typed header
+fields (a reject's ``score``, a bwd skip's ``score`` and ``refused``); ``detail`` is for humans
+and is never parsed.
 
 Field semantics, types and limits are specified in ``docs/PROTOCOL.md``.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,21 +45,24 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int64", "int32")
 _REASON_CODES = frozenset(r.value for r in Reason)
 
-# libp2p stream protocols: protocol id -> (request type, reply types). One request frame per
-# stream; fwd/bwd/health get one reply frame, state gets chunk frames until ``last`` (or one reject).
-FWD_PROTOCOL = f"/swarm-node/fwd/{PROTOCOL_VERSION}"
-BWD_PROTOCOL = f"/swarm-node/bwd/{PROTOCOL_VERSION}"
-STATE_PROTOCOL = f"/swarm-node/state/{PROTOCOL_VERSION}"
-HEALTH_PROTOCOL = f"/swarm-node/health/{PROTOCOL_VERSION}"
+# libp2p stream protocols, the only definition (node/, the probe and the metrics import them):
+# protocol id -> (request type, reply types). One request frame per stream; fwd/bwd/health get
+# one reply frame, state gets chunk frames until ``last`` (or one reject).
+FWD = f"/swarm-node/fwd/{PROTOCOL_VERSION}"
+BWD = f"/swarm-node/bwd/{PROTOCOL_VERSION}"
+STATE = f"/swarm-node/state/{PROTOCOL_VERSION}"
+HEALTH = f"/swarm-node/health/{PROTOCOL_VERSION}"
+PROTOCOLS = (FWD, BWD, STATE, HEALTH)
 EXCHANGES: dict[str, tuple[str, tuple[str, ...]]] = {
-    FWD_PROTOCOL: ("fwd", ("ack", "reject")),
-    BWD_PROTOCOL: ("bwd", ("ack", "reject")),
-    STATE_PROTOCOL: ("state-request", ("state-chunk", "reject")),
-    HEALTH_PROTOCOL: ("health-request", ("health", "reject")),
+    FWD: ("fwd", ("ack", "reject")),
+    BWD: ("bwd", ("ack", "reject")),
+    STATE: ("state-request", ("state-chunk", "reject")),
+    HEALTH: ("health-request", ("health", "reject")),
 }
 
-# Fields each message type must carry (besides v, type, tensors, body_len). PROTOCOL.md lists
-# the same; tests/test_messages.py checks that the two agree.
+# Fields each message type must carry (besides v, type, tensors, body_len), and the optional
+# fields it may carry. PROTOCOL.md lists the same (the "Message types" table and the field
+# tables of "Fields"); tests/test_messages.py checks that they agree.
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "fwd": ("run", "manifest", "mb", "stage", "version", "route", "codec", "sent_ms"),
     "bwd": ("run", "manifest", "mb", "stage", "version", "route", "codec", "sent_ms"),
@@ -67,6 +73,32 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "health-request": (),
     "health": ("status",),
 }
+OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
+    "fwd": ("horizon_s",),
+    "bwd": ("skip", "detail", "score", "refused"),
+    "ack": ("queue",),
+    "reject": ("mb", "retry_ms", "score"),
+    "state-request": ("max_chunk_bytes",),
+    "state-chunk": ("parts",),
+    "health-request": (),
+    "health": (),
+}
+# Optional bwd fields that only a skip may carry (a gradient bwd with one of them is bad-frame;
+# ``detail`` is left out: it was always tolerated, and ignored, on a gradient).
+SKIP_ONLY_FIELDS = ("score", "refused")
+
+
+class Refused(str, enum.Enum):
+    """Whose output a bwd skip's refusal concerns (the skip's optional ``refused`` field)."""
+
+    OWN = "own"  # the next stage refused the tensors this sender produced
+    RELAYED = "relayed"  # the sender passes on a refusal from further downstream
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_REFUSED_VALUES = frozenset(r.value for r in Refused)
 
 
 def _now_ms() -> int:
@@ -121,6 +153,8 @@ def make_bwd(
     sent_ms: int | None = None,
     skip: Reason | str | None = None,
     detail: str = "",
+    score: float | None = None,
+    refused: Refused | str | None = None,
     **extra,
 ) -> Buffers:
     """Gradient dL/dc (B, L, k) of microbatch ``mb`` from ``stage`` back to ``stage - 1``.
@@ -128,9 +162,14 @@ def make_bwd(
     ``route`` is the full forward route recorded by the tail (peer of stage i at index i).
     ``skip=<reason>`` with ``grad=None`` tells upstream stages that this microbatch will get no
     gradient (e.g. a verifier rejected it downstream): free its context and do not step on it.
+    With a skip only: ``refused`` says whose output the refusal concerns (``"own"``: the next
+    stage refused this sender's own output; ``"relayed"``: passed on from further downstream),
+    ``score`` is the refusing verifier's score (finite, > 0; see ``make_reject``).
     """
     if (grad is None) == (skip is None):
         raise ValueError("make_bwd: give exactly one of grad= (a gradient) or skip= (a reason)")
+    if skip is None and (score is not None or refused is not None):
+        raise ValueError("make_bwd: score= and refused= go with skip= only, never with a gradient")
     header = {
         "type": "bwd", "run": run, "manifest": manifest_hash, "mb": mb, "stage": stage,
         "version": version, "route": list(route), "codec": codec,
@@ -139,6 +178,10 @@ def make_bwd(
     if skip is not None:
         header["skip"] = Reason(skip).value
         header["detail"] = detail[:MAX_DETAIL]
+        if score is not None:
+            header["score"] = _score_arg("make_bwd", score)
+        if refused is not None:
+            header["refused"] = Refused(refused).value
         return encode_frame(header)
     return encode_frame(header, [("grad", grad)])
 
@@ -153,15 +196,32 @@ def make_ack(mb: int | None, stage: int, version: int, queue: int | None = None,
 
 
 def make_reject(
-    reason: Reason | str, detail: str, mb: int | None = None, retry_ms: int | None = None, **extra
+    reason: Reason | str,
+    detail: str,
+    mb: int | None = None,
+    retry_ms: int | None = None,
+    score: float | None = None,
+    **extra,
 ) -> Buffers:
-    """Refusal reply. The stream is closed after it. ``retry_ms`` goes with ``busy``."""
+    """Refusal reply. The stream is closed after it. ``retry_ms`` goes with ``busy``; ``score``
+    with ``rejected-by-verifier`` when a fence (not a rule) refused: the verifier's score, the
+    worst distance over its fence as a ratio (finite, > 0; ``security.bans.verdict_score``)."""
     header = {"type": "reject", "reason": Reason(reason).value, "detail": str(detail)[:MAX_DETAIL], **extra}
     if mb is not None:
         header["mb"] = mb
     if retry_ms is not None:
         header["retry_ms"] = retry_ms
+    if score is not None:
+        header["score"] = _score_arg("make_reject", score)
     return encode_frame(header)
+
+
+def _score_arg(who: str, score) -> float:
+    """A builder's ``score=``: what ``_get_score`` accepts, or ValueError (never send a frame
+    the receiving validator refuses)."""
+    if not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score) or score <= 0:
+        raise ValueError(f"{who}: score must be a finite number > 0, got {score!r}")
+    return float(score)
 
 
 def make_reject_for(err: ProtocolError, mb: int | None = None) -> Buffers:
@@ -287,6 +347,21 @@ def _get_uint(h: Mapping, key: str, optional: bool = False, maximum: int = MAX_U
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= maximum:
         raise _bad(f"{h.get('type')} field {key!r} is {_short(v)}; need an int in 0..{maximum}")
     return v
+
+
+def _get_score(h: Mapping) -> float | None:
+    """The optional ``score`` of a reject or a bwd skip: a finite number > 0, or None if absent."""
+    v = h.get("score")
+    if v is None:
+        return None
+    where = f"{h.get('type')} field 'score'"
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _bad(f"{where} is {_short(v)} ({type(v).__name__}); need a number (the verifier's score)")
+    if not math.isfinite(v):
+        raise _bad(f"{where} is {v!r}; need a finite number")
+    if v <= 0:
+        raise _bad(f"{where} is {v!r}; need a number > 0")
+    return float(v)
 
 
 def _get_route(h: Mapping) -> tuple[str, ...]:
@@ -438,6 +513,8 @@ class Bwd:
     skip: str | None = None  # reason code (a Reason value) why upstream must drop this microbatch
     detail: str = ""
     header: Mapping = field(repr=False, default_factory=dict)
+    score: float | None = None  # skip only: the refusing verifier's score (> 0, finite), if it sent one
+    refused: str | None = None  # skip only: "own" or "relayed" (a Refused value), None if absent or unknown
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], dims: Mapping[str, int]) -> dict:
@@ -530,8 +607,15 @@ def validate_bwd(frame: Frame, expect: Expect, sender: str | None = None) -> Bwd
         if frame.tensors:
             raise _bad("a bwd skip carries no tensors")
         detail = h.get("detail", "")
+        score = _get_score(h)
+        refused = _get_str(h, "refused", maxlen=64, optional=True)
+        if refused not in _REFUSED_VALUES:  # absent, or a newer peer's value: no attribution (PROTOCOL.md)
+            refused = None
         return Bwd(mb, stage, version, route, codec, sent_ms, None, skip,
-                   detail[:MAX_DETAIL] if isinstance(detail, str) else "", h)
+                   detail[:MAX_DETAIL] if isinstance(detail, str) else "", h, score, refused)
+    present = [f for f in SKIP_ONLY_FIELDS if h.get(f) is not None]
+    if present:
+        raise _bad(f"bwd field(s) {present} go with 'skip' only; a gradient bwd carries none")
     check_tensors(frame.tensors, expect.tensors, expect.dims)
     check_finite(frame.tensors)
     return Bwd(mb, stage, version, route, codec, sent_ms, frame.tensors["grad"], None, "", h)
@@ -555,6 +639,7 @@ class Reply:
     detail: str = ""
     retry_ms: int | None = None
     header: Mapping = field(repr=False, default_factory=dict)
+    score: float | None = None  # reject: the refusing verifier's score (> 0, finite), if it sent one
 
 
 def parse_reply(frame: Frame) -> Reply:
@@ -576,7 +661,7 @@ def parse_reply(frame: Frame) -> Reply:
     except ValueError:
         reason = Reason.INTERNAL
     return Reply(False, mb, reason=reason, reason_code=code, detail=detail[:MAX_DETAIL],
-                 retry_ms=_get_uint(h, "retry_ms", optional=True), header=h)
+                 retry_ms=_get_uint(h, "retry_ms", optional=True), header=h, score=_get_score(h))
 
 
 def validate_health_request(frame: Frame) -> None:

@@ -174,7 +174,7 @@ async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
     if drive.done() and not drive.cancelled() and drive.exception() is not None:
         raise drive.exception()
     tokens = (v1 - v0) * m.data.batch_size * m.model.seq_len
-    losses = [loss for _, loss in tail.loss_history]
+    losses = [loss for _, loss in tail.trainer.loss_history]
     judged = rejected = bans = 0.0
     for rt in rts:
         mt = parse_metrics(rt.metrics.render().decode())

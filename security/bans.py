@@ -21,7 +21,6 @@ scores 1.02-1.17 while the attacker's scored 1.6-5.9 (docs/SENTINEL.md).
 from __future__ import annotations
 
 import math
-import re
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -135,24 +134,20 @@ def flag_weight(score: float, margin: float, floor: float = 0.25) -> float:
     return min(1.0, max(floor, (score - 1.0) / margin))
 
 
-def verdict_detail(verdict) -> str:
-    """The detail of a reject for a verifier's refusal: its reason, and its score when a fence
-    (not a rule) refused, as ``"sentinel:swd score 1.09"``. The sender relays it upstream in its
-    skip (``output-rejected: ...``), where ``refusal_weight`` reads the score back."""
-    score = float(getattr(verdict, "score", 0.0) or 0.0)
-    reason = str(verdict.reason)
-    if score > 1.0 and math.isfinite(score):
-        return f"{reason} score {score:.3f}"
-    return reason
+def verdict_score(verdict) -> float | None:
+    """The score to send with a verifier's refusal (the ``score`` field of a ``reject`` and of the
+    refused hop's ``bwd`` skip): ``verdict.score`` when a fence refused (score > 1 and finite: the
+    worst distance over its fence, a ratio); None for a rule's refusal (bad shape, replay) or a
+    verdict without a score."""
+    try:
+        score = float(getattr(verdict, "score", 0.0) or 0.0)
+    except (TypeError, ValueError):
+        return None
+    return score if score > 1.0 and math.isfinite(score) else None
 
 
-def refusal_weight(detail: str, margin: float) -> float:
-    """How much a downstream refusal with ``detail`` counts toward banning the hop whose output
-    was refused: ``flag_weight`` of the score it carries (``verdict_detail``), 1 when it carries
-    none (a rule's rejection, a ban at the next stage, or a peer that does not send scores)."""
-    m = _SCORE.search(detail or "")
-    return 1.0 if m is None else flag_weight(float(m.group(1)), margin)
-
-
-_SCORE = re.compile(r"\bscore ([0-9]+(?:\.[0-9]*)?)\b")
-
+def refusal_weight_of(score: float | None, margin: float) -> float:
+    """How much a downstream refusal counts toward banning the hop whose output was refused:
+    ``flag_weight`` of the score the refusal carried, 1 when it carried none (a rule's
+    rejection, a ban at the next stage, or a peer that does not send scores)."""
+    return 1.0 if score is None else flag_weight(float(score), margin)

@@ -31,3 +31,27 @@ def test_flag_rate_and_no_overflow_after_many_bans():
     assert b.strikes("x") == 5000
     b.record("x", True, 1.0)
     assert b.banned(1.0)["x"] - 1.0 == 10.0
+
+
+def test_verdict_score_is_sent_only_for_a_fence_refusal():
+    from security.bans import verdict_score
+    from security.verifier import Verdict
+
+    assert verdict_score(Verdict(False, "sentinel:swd", score=1.094)) == 1.094
+    assert verdict_score(Verdict(False, "sentinel:l1", score=5)) == 5.0
+    for score in (0.0, 1.0, 0.4, float("inf"), float("nan"), -2.0):  # a rule's refusal, or no usable score
+        assert verdict_score(Verdict(False, "nan", score=score)) is None, score
+    assert verdict_score(object()) is None  # a verdict without a score
+
+
+def test_refusal_weight_of_the_typed_score():
+    from security.bans import flag_weight, refusal_weight_of, verdict_score
+    from security.verifier import Verdict
+
+    assert refusal_weight_of(None, 0.5) == 1.0  # no score: a rule's refusal or a ban there counts fully
+    assert refusal_weight_of(1.05, 0.5) == 0.25 and refusal_weight_of(4.0, 0.5) == 1.0
+    assert refusal_weight_of(1.3, 0.0) == 1.0  # margin 0: unweighted
+    for score in (0.0, 1.0, 1.02, 1.1, 1.3, 1.7, 5.9, float("inf")):
+        v = Verdict(False, "sentinel:swd", score=score)
+        typed = refusal_weight_of(verdict_score(v), 0.5)
+        assert typed == (flag_weight(score, 0.5) if 1.0 < score < float("inf") else 1.0), score

@@ -14,12 +14,20 @@ import torch
 from protocol import frames
 from protocol.frames import MAGIC, FrameDecoder, ProtocolError, Reason, encode_frame_bytes
 from protocol.messages import (
+    BWD,
     EXCHANGES,
+    FWD,
+    HEALTH,
     MAX_DETAIL,
     MAX_ID_LEN,
     MAX_ROUTE,
+    OPTIONAL_FIELDS,
+    PROTOCOLS,
     REQUIRED_FIELDS,
+    SKIP_ONLY_FIELDS,
+    STATE,
     Expect,
+    Refused,
     StateAssembler,
     check_finite,
     check_request,
@@ -120,6 +128,84 @@ def test_bwd_round_trip_and_skip():
         make_bwd(RUN, HASH, 1, 2, 0, ROUTE, torch.zeros(1, 1, K), skip="stale")
     with pytest.raises(ValueError):
         make_bwd(RUN, HASH, 1, 2, 0, ROUTE, None)
+
+
+def skip_frame(**kw):
+    """A bwd skip as a peer may send it, raw (the builder refuses what a validator must catch)."""
+    header = dict(type="bwd", run=RUN, manifest=HASH, mb=1, stage=2, version=0, route=ROUTE, codec="s",
+                  sent_ms=0, skip="rejected-by-verifier", detail="d")
+    header.update(kw)
+    header = {k: v for k, v in header.items() if v is not None}
+    return FrameDecoder().feed(encode_frame_bytes(header))[0]
+
+
+def test_bwd_skip_score_and_refused_round_trip():
+    frame = bwd(grad=None, skip=Reason.REJECTED_BY_VERIFIER, detail="sentinel:swd", score=1.25,
+                refused=Refused.OWN)
+    assert frame.header["score"] == 1.25 and isinstance(frame.header["score"], float)
+    assert frame.header["refused"] == "own"
+    msg = validate_bwd(frame, expect_bwd())
+    assert (msg.skip, msg.detail, msg.score, msg.refused) == ("rejected-by-verifier", "sentinel:swd", 1.25, "own")
+    relayed = validate_bwd(bwd(grad=None, skip="rejected-by-verifier", score=3, refused="relayed"), expect_bwd())
+    assert (relayed.score, relayed.refused) == (3.0, "relayed") and isinstance(relayed.score, float)
+    plain = validate_bwd(bwd(grad=None, skip="stale"), expect_bwd())  # both optional
+    assert (plain.score, plain.refused) == (None, None)
+    assert "score" not in plain.header and "refused" not in plain.header
+    grad = validate_bwd(bwd(), expect_bwd())
+    assert (grad.score, grad.refused) == (None, None)
+    # a newer peer's value of refused: no attribution, like an unknown reason code (kept for logs)
+    future = validate_bwd(skip_frame(refused="downstream-of-downstream", score=2.0), expect_bwd())
+    assert future.refused is None and future.header["refused"] == "downstream-of-downstream"
+    assert future.score == 2.0 and future.skip == "rejected-by-verifier"
+    assert validate_bwd(skip_frame(score=None, refused=None), expect_bwd()).refused is None
+    assert set(SKIP_ONLY_FIELDS) <= set(OPTIONAL_FIELDS["bwd"])
+
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(score="high"), "field 'score' is 'high' (str); need a number"),
+        (dict(score=True), "field 'score' is True (bool); need a number"),
+        (dict(score=[1.5]), "field 'score' is [1.5] (list); need a number"),
+        (dict(score=float("nan")), "field 'score' is nan; need a finite number"),
+        (dict(score=float("inf")), "field 'score' is inf; need a finite number"),
+        (dict(score=float("-inf")), "field 'score' is -inf; need a finite number"),
+        (dict(score=-1.5), "field 'score' is -1.5; need a number > 0"),
+        (dict(score=0), "field 'score' is 0; need a number > 0"),
+        (dict(score=0.0), "field 'score' is 0.0; need a number > 0"),
+        (dict(refused=1), "bwd field 'refused' is 1; need a non-empty str <= 64"),
+        (dict(refused=""), "bwd field 'refused' is ''; need a non-empty str <= 64"),
+        (dict(refused="x" * 65), "bwd field 'refused' is"),
+        (dict(refused=["own"]), "bwd field 'refused' is ['own']"),
+    ],
+)
+def test_bwd_skip_malformed_score_and_refused(kw, needle):
+    err = reason_of(validate_bwd, skip_frame(**kw), expect_bwd())
+    assert err.reason is Reason.BAD_FRAME and needle in err.detail, err.detail
+    assert err.detail.startswith("bwd field"), err.detail
+
+
+@pytest.mark.parametrize("kw", [dict(score=1.5), dict(refused="own"), dict(score=2.0, refused="relayed"),
+                                dict(refused="not-a-value")])
+def test_gradient_bwd_never_carries_score_or_refused(kw):
+    base = dict(type="bwd", run=RUN, manifest=HASH, mb=1, stage=2, version=0, route=ROUTE, codec="s", sent_ms=0)
+    frame = FrameDecoder().feed(encode_frame_bytes({**base, **kw}, [("grad", torch.zeros(1, 1, K))]))[0]
+    err = reason_of(validate_bwd, frame, expect_bwd())
+    assert err.reason is Reason.BAD_FRAME
+    assert f"bwd field(s) {sorted(kw, key=SKIP_ONLY_FIELDS.index)} go with 'skip' only" in err.detail, err.detail
+
+
+def test_make_bwd_score_and_refused_arguments():
+    g = torch.zeros(1, 1, K)
+    with pytest.raises(ValueError, match="skip= only"):
+        make_bwd(RUN, HASH, 1, 2, 0, ROUTE, g, score=1.5)
+    with pytest.raises(ValueError, match="skip= only"):
+        make_bwd(RUN, HASH, 1, 2, 0, ROUTE, g, refused="own")
+    with pytest.raises(ValueError):
+        make_bwd(RUN, HASH, 1, 2, 0, ROUTE, None, skip="stale", refused="mine")  # a builder sends known values
+    for bad in (float("nan"), float("inf"), 0.0, -2.0, True, "1.5"):
+        with pytest.raises(ValueError, match="score must be a finite number > 0"):
+            make_bwd(RUN, HASH, 1, 2, 0, ROUTE, None, skip="stale", score=bad)
 
 
 @pytest.mark.parametrize(
@@ -233,6 +319,36 @@ def test_ack_and_reject_replies():
         make_reject("not-a-code", "x")
 
 
+def test_reject_score_round_trip():
+    rej = parse_reply(dec(make_reject(Reason.REJECTED_BY_VERIFIER, "sentinel:swd", mb=4, score=1.094)))
+    assert (rej.reason, rej.detail, rej.mb, rej.score) == (Reason.REJECTED_BY_VERIFIER, "sentinel:swd", 4, 1.094)
+    assert isinstance(dec(make_reject("rejected-by-verifier", "x", score=2)).header["score"], float)
+    assert parse_reply(dec(make_reject(Reason.BUSY, "full"))).score is None
+    assert parse_reply(dec(make_ack(1, 1, 1))).score is None
+    for bad in (float("nan"), float("-inf"), 0, -1.0, False, "2"):
+        with pytest.raises(ValueError, match="make_reject: score must be a finite number > 0"):
+            make_reject(Reason.REJECTED_BY_VERIFIER, "x", score=bad)
+
+
+@pytest.mark.parametrize(
+    "score, needle",
+    [
+        ("1.5", "reject field 'score' is '1.5' (str); need a number"),
+        (False, "reject field 'score' is False (bool); need a number"),
+        ({"v": 1}, "reject field 'score' is {'v': 1} (dict); need a number"),
+        (float("nan"), "reject field 'score' is nan; need a finite number"),
+        (float("inf"), "reject field 'score' is inf; need a finite number"),
+        (-0.5, "reject field 'score' is -0.5; need a number > 0"),
+        (0, "reject field 'score' is 0; need a number > 0"),
+    ],
+)
+def test_reject_malformed_score(score, needle):
+    frame = dec([encode_frame_bytes({"type": "reject", "reason": "rejected-by-verifier", "detail": "x",
+                                     "score": score})])
+    err = reason_of(parse_reply, frame)
+    assert err.reason is Reason.BAD_FRAME and needle in err.detail, err.detail
+
+
 def test_unknown_reason_code_maps_to_internal():
     frame = dec([encode_frame_bytes({"type": "reject", "reason": "overheated", "detail": "gpu at 95C"})])
     reply = parse_reply(frame)
@@ -258,6 +374,13 @@ def test_health():
         make_health({1: "x"})
     bad = FrameDecoder().feed(encode_frame_bytes({"type": "health", "status": [1]}))[0]
     assert reason_of(parse_health, bad).reason is Reason.BAD_FRAME
+
+
+def test_protocol_ids_are_derived_from_the_version():
+    v = frames.PROTOCOL_VERSION
+    assert (FWD, BWD, STATE, HEALTH) == PROTOCOLS == tuple(EXCHANGES)
+    assert PROTOCOLS == tuple(f"/swarm-node/{name}/{v}" for name in ("fwd", "bwd", "state", "health"))
+    assert FWD == "/swarm-node/fwd/1"  # version 1 on the wire
 
 
 def test_check_request_per_protocol():
@@ -389,6 +512,50 @@ def test_doc_message_types_and_required_fields_match_code():
     for r in rows:
         doc_fields = tuple(f.strip() for f in r[3].split(",")) if r[3] != "(none)" else ()
         assert doc_fields == REQUIRED_FIELDS[r[0]], r[0]
+
+
+def doc_fields(heading: str, scopes: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """(required, optional) field names per message type, from the field table under ``heading``.
+
+    A row names one or more fields (``run, manifest``). It is optional when its type or the scope
+    of its meaning (the text before the first colon) says ``optional``. ``scopes`` maps each
+    message type to the word that limits a row to it: a row whose meaning starts with
+    ``"<word> only"`` or contains ``"<word>:"`` applies to that type alone (or to the types it
+    names); every other row applies to all of them."""
+    out: dict[str, tuple[list[str], list[str]]] = {t: ([], []) for t in scopes}
+    for cells in doc_table(heading):
+        names, typ, meaning = [n.strip() for n in cells[0].split(",")], cells[1], cells[2]
+        scope = meaning.split(":")[0]
+        optional = "optional" in typ or "optional" in scope
+        limited = [t for t, word in scopes.items() if meaning.startswith(f"{word} only") or f"{word}:" in meaning]
+        for t in limited or scopes:
+            out[t][1 if optional else 0].extend(names)
+    return {t: (tuple(req), tuple(opt)) for t, (req, opt) in out.items()}
+
+
+def test_doc_field_tables_match_required_and_optional_fields():
+    tables = {
+        "fwd and bwd": {"fwd": "fwd", "bwd": "bwd"},
+        "ack": {"ack": "ack"},
+        "reject": {"reject": "reject"},
+        "state-request and state-chunk": {"state-request": "request", "state-chunk": "chunk"},
+    }
+    seen = set()
+    for heading, scopes in tables.items():
+        for mtype, (required, optional) in doc_fields(heading, scopes).items():
+            assert required == REQUIRED_FIELDS[mtype], (heading, mtype, required)
+            assert optional == OPTIONAL_FIELDS[mtype], (heading, mtype, optional)
+            seen.add(mtype)
+    # health-request and health are described in prose: no fields / one required map
+    assert seen | {"health-request", "health"} == set(frames.MESSAGE_TYPES) == set(OPTIONAL_FIELDS)
+    assert REQUIRED_FIELDS["health-request"] == OPTIONAL_FIELDS["health-request"] == OPTIONAL_FIELDS["health"] == ()
+    text = DOC.read_text()
+    assert "`health-request` has no fields. `health` has `status`" in text
+    # the skip-only fields are documented as such
+    rows = {r[0]: r for r in doc_table("fwd and bwd")}
+    for f in SKIP_ONLY_FIELDS:
+        assert rows[f][2].startswith("bwd only, optional, with skip only:"), rows[f]
+    assert all(f"{v.value} (" in rows["refused"][2] for v in Refused), rows["refused"]
 
 
 def test_doc_stream_protocols_match_code():

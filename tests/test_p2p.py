@@ -22,6 +22,7 @@ from protocol.messages import (
     make_bwd,
     make_fwd,
     make_health,
+    make_reject,
     make_state_request,
     parse_reply,
     state_chunks,
@@ -71,6 +72,10 @@ async def test_two_nodes_exchange_fwd_and_bwd(pair):
 
     async def on_fwd(frame, peer):
         f = validate_fwd(frame, expect_fwd, peer)
+        if f.mb == 99:  # a verifier refusal with its score
+            return make_reject(Reason.REJECTED_BY_VERIFIER, "sentinel:swd", mb=f.mb, score=1.25)
+        if f.mb == 98:  # a malformed score: still a refusal, the score is not trusted
+            return {"type": "reject", "reason": "rejected-by-verifier", "detail": "odd", "score": "high"}, []
         got["fwd"] = (f.c.clone(), f.ids.clone(), peer)
         return make_ack(f.mb, 1, 0, queue=0)
 
@@ -97,17 +102,26 @@ async def test_two_nodes_exchange_fwd_and_bwd(pair):
     # a wrong run id and a wrong stage are refused with their reason codes
     with pytest.raises(PeerRejected) as e:
         await b.request(a.peer_id, FWD, fwd_frame(b.peer_id, run="other-run")[0], timeout=20)
-    assert e.value.reason == "wrong-run" and "other-run" in e.value.detail
+    assert e.value.reason == "wrong-run" and "other-run" in e.value.detail and e.value.score is None
     bad_stage = make_fwd(RUN, MANIFEST, 1, 1, 0, [b.peer_id, b.peer_id], c, ids)
     with pytest.raises(PeerRejected) as e:
         await b.request(a.peer_id, FWD, bad_stage, timeout=20)
     assert e.value.reason == "wrong-stage"
 
+    # the reject's typed score reaches the caller through the exception
+    with pytest.raises(PeerRejected) as e:
+        await b.request(a.peer_id, FWD, fwd_frame(b.peer_id, mb=99)[0], timeout=20)
+    assert (e.value.reason, e.value.detail, e.value.score) == ("rejected-by-verifier", "sentinel:swd", 1.25)
+    with pytest.raises(PeerRejected) as e:
+        await b.request(a.peer_id, FWD, fwd_frame(b.peer_id, mb=98)[0], timeout=20)
+    assert (e.value.reason, e.value.detail, e.value.score) == ("rejected-by-verifier", "odd", None)
+
     # byte counters per protocol and direction (metrics)
     n = sum(len(bytes(x)) for x in frame)
     assert a.stats.bytes[(FWD, "in")] >= 3 * n and b.stats.bytes[(FWD, "out")] >= 3 * n
     assert a.stats.rejects_sent[(FWD, "wrong-run")] == 1 and b.stats.rejects_received[(FWD, "wrong-stage")] == 1
-    assert a.stats.snapshot()["served"][FWD] == 3
+    assert a.stats.snapshot()["served"][FWD] == 5
+    assert b.stats.rejects_received[(FWD, "rejected-by-verifier")] == 2
 
 
 async def raw_exchange(t: Transport, peer: str, protocol: str, data: bytes):

@@ -96,7 +96,7 @@ async def test_probe_retries_a_reset_stream_once_then_fails():
             resets.append(info.peer_id.to_base58())
             writer.transport.abort()  # p2pd resets the libp2p stream
 
-        await node.net.p2p.add_binary_stream_handler(HEALTH, reset)
+        await node.p2p.add_binary_stream_handler(HEALTH, reset)
         maddr = (await node.visible_maddrs())[0]
         r = await asyncio.to_thread(probe.run_probe, maddr, None, 20.0)
     finally:

@@ -18,6 +18,8 @@ import torch
 
 from protocol.frames import MAGIC, FrameDecoder, Limits, ProtocolError, Reason, encode_frame_bytes
 from protocol.messages import (
+    OPTIONAL_FIELDS,
+    REQUIRED_FIELDS,
     Expect,
     StateAssembler,
     make_ack,
@@ -57,8 +59,11 @@ def corpus() -> list[bytes]:
         j(make_fwd(RUN, HASH, 6, 0, 10, ["p0"], c.to(torch.bfloat16), ids.int(), sent_ms=2)),
         j(make_bwd(RUN, HASH, 5, 2, 10, ["p0", "p1", "p2"], c, sent_ms=3)),
         j(make_bwd(RUN, HASH, 5, 2, 10, ["p0", "p1", "p2"], None, skip="rejected-by-verifier", detail="x")),
+        j(make_bwd(RUN, HASH, 5, 2, 10, ["p0", "p1", "p2"], None, skip="rejected-by-verifier", detail="x",
+                   score=1.25, refused="own")),
         j(make_ack(5, 1, 10, queue=3)),
         j(make_reject(Reason.BUSY, "queue full", mb=5, retry_ms=100)),
+        j(make_reject(Reason.REJECTED_BY_VERIFIER, "sentinel:swd", mb=5, score=1.5)),
         j(make_health_request()),
         j(make_health({"peer": "p1", "stage": 1, "version": 10, "run": RUN})),
         j(make_state_request(RUN, HASH, 1, max_chunk_bytes=1024)),
@@ -70,7 +75,9 @@ def corpus() -> list[bytes]:
     return frames
 
 
-N_STANDALONE = 10  # corpus()[:N_STANDALONE] each validate on their own
+N_STANDALONE = 12  # corpus()[:N_STANDALONE] each validate on their own
+# every header field a message type has (op 4 of mutate_header sets one of them to a random value)
+FIELDS = sorted(set().union(*REQUIRED_FIELDS.values(), *OPTIONAL_FIELDS.values()))
 
 
 def random_value(rng: random.Random):
@@ -107,8 +114,7 @@ def mutate_header(data: bytes, rng: random.Random) -> bytes:
             row["shape"][rng.randrange(len(row["shape"]))] = rng.choice([0, 1, 3, 2**16, 2**31, 2**62])
         header["body_len"] = rng.choice([header.get("body_len", 0), 2**30, len(body) + 1])
     elif op == 4:
-        header[rng.choice(["mb", "stage", "version", "route", "run", "manifest", "seq", "last", "parts",
-                           "reason", "status", "skip", "codec", "sent_ms", "queue", "detail", "retry_ms"])] = random_value(rng)
+        header[rng.choice(FIELDS)] = random_value(rng)
     else:
         header["body_len"] = random_value(rng)
     head = msgpack.packb(header, use_bin_type=True)

@@ -68,13 +68,13 @@ async def test_three_stages_train_and_every_tensor_is_verified(test_manifest):
         for t in maintain:
             t.cancel()
         await stop_all(rts)
-    losses = [loss for _, loss in tail.loss_history]
+    losses = [loss for _, loss in tail.trainer.loss_history]
     assert len(losses) >= 80
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first - 0.5, (first, last)
     # every stage stepped once per microbatch (grad_accum 1), none leaked a context
     assert head.version == body.version == tail.version >= 80
-    assert not head.contexts and not body.contexts and not tail.contexts and head.inflight == 0
+    assert not head.pipeline.contexts and not body.pipeline.contexts and not tail.pipeline.contexts and head.inflight == 0
     # every activation the body and tail accepted, and every gradient the head and body accepted,
     # went through their verifier first
     assert sum(1 for _, d, _ in v_body.seen if d == "act") == value(body, "swarm_node_served_total",
@@ -157,7 +157,7 @@ async def test_context_ttl_frees_memory_and_skips_upstream(test_manifest):
         assert await wait_for(lambda: value(body, "swarm_node_contexts_expired_total") >= 4, timeout=30)
         # the head was told: its microbatches were dropped, not left to its own (60 s) TTL
         assert await wait_for(lambda: value(head, "swarm_node_microbatches_total", outcome="dropped") >= 3)
-        assert head.inflight <= 2 and len(body.contexts) <= 2
+        assert head.inflight <= 2 and len(body.pipeline.contexts) <= 2
     finally:
         drive.cancel()
         for t in maintain:
@@ -193,7 +193,7 @@ async def test_dead_next_hop_is_probed_banned_and_traffic_moves(test_manifest):
         recovered = time.monotonic() - t_kill
         b2_before = b2.version
         assert await wait_for(lambda: b2.version >= b2_before + 5, timeout=30)
-        assert not any(ctx.next_peer == "b1" for ctx in head.contexts.values())
+        assert not any(ctx.next_peer == "b1" for ctx in head.pipeline.contexts.values())
     finally:
         drive.cancel()
         for t in maintain:
@@ -219,9 +219,9 @@ async def _restart_next_hop(m, *, new_address: bool):
     try:
         assert await wait_for(lambda: tail.version >= 3, timeout=60)
         # kill -9 while the head waits for gradients: they never come back
-        assert await wait_for(lambda: any(c.next_peer == "tail" and c.sent_at for c in head.contexts.values()),
+        assert await wait_for(lambda: any(c.next_peer == "tail" and c.sent_at for c in head.pipeline.contexts.values()),
                               timeout=30)
-        sent_to_old = [ctx for ctx in head.contexts.values() if ctx.sent_at]
+        sent_to_old = [ctx for ctx in head.pipeline.contexts.values() if ctx.sent_at]
         tail.transport.down = True
         again = make_runtime(m, 1, "tail", net)  # same identity, fresh process (new uptime)
         if new_address:  # it listens on a new port that the head's p2pd has not seen yet
@@ -240,7 +240,7 @@ async def _restart_next_hop(m, *, new_address: bool):
         for t in maintain:
             t.cancel()
         await stop_all([head] + ([again] if again is not None else []))
-    assert ok, f"the restarted next hop got {again.version} steps; head contexts {list(head.contexts.values())}"
+    assert ok, f"the restarted next hop got {again.version} steps; head contexts {list(head.pipeline.contexts.values())}"
     return head, again, took
 
 
@@ -286,8 +286,8 @@ async def test_verifier_rejects_drop_skip_and_ban(test_manifest):
                  reason="test-reject") == flags
     assert value(body, "swarm_node_bans_total", cause="verifier") == 1
     assert value(head, "swarm_node_requests_total", protocol="fwd", result="rejected-by-verifier") == flags
-    assert not body.contexts and body.version == 0
-    assert len(head.contexts) <= 1
+    assert not body.pipeline.contexts and body.version == 0
+    assert len(head.pipeline.contexts) <= 1
 
 
 def moved_replica(m, net, peer, version):
@@ -296,7 +296,7 @@ def moved_replica(m, net, peer, version):
     with torch.no_grad():
         for p in rt.stage.parameters():
             p.add_(torch.randn_like(p))
-    rt.la.version = version
+    rt.trainer.lookahead.version = version
     return rt
 
 
@@ -333,24 +333,24 @@ async def test_a_banned_replica_keeps_its_weights_caught_up_with_another_replica
     link([online, stale])
     await start_all([online, stale])
     try:
-        stale._note_banned()
+        stale.guard.note_banned()
         assert await wait_for(lambda: stale.version == 42, timeout=5.0)
         for (n, a), (_, b) in zip(online.stage.named_parameters(), stale.stage.named_parameters()):
             assert torch.equal(a, b), n
-        assert stale.la.weights().version == 42
+        assert stale.trainer.lookahead.weights().version == 42
         assert value(stale, "swarm_node_state_sync_bytes_total", direction="in") > 0
         with torch.no_grad():  # the other replica trains on; so does the re-sync
             next(online.stage.parameters()).add_(1.0)
         assert await wait_for(lambda: torch.equal(next(online.stage.parameters()),
                                                   next(stale.stage.parameters())), timeout=5.0)
-        stale._last_accepted = time.monotonic()  # our traffic is accepted again
-        assert await wait_for(lambda: stale._resync_task.done(), timeout=5.0)
+        stale.guard.last_accepted = time.monotonic()  # our traffic is accepted again
+        assert await wait_for(lambda: stale.guard.resync_task.done(), timeout=5.0)
     finally:
         await stop_all([online, stale])
     # off, and alone in its stage: nothing to do, nothing breaks
     lone = make_runtime(m, 1, "lone", Net(), resync_every=0.0)
-    lone._note_banned()
-    assert lone._resync_task is None
+    lone.guard.note_banned()
+    assert lone.guard.resync_task is None
     assert await make_runtime(m, 1, "lone2", Net()).resync_from_replica() is False
 
 
@@ -361,13 +361,13 @@ async def test_a_banned_reply_from_the_next_stage_starts_the_resync(test_manifes
     head = make_runtime(m, 0, "head", net, batches=head_batches(m), steps=2)
     body = make_runtime(m, 1, "body", net, resync_every=0.05)
     tail = make_runtime(m, 2, "tail", net)
-    tail.banlist.ban("body", time.monotonic())
+    tail.guard.banlist.ban("body", time.monotonic())
     link([head, body, tail])
     await start_all([head, body, tail])
     drive = asyncio.ensure_future(head.drive())
     try:
-        assert await wait_for(lambda: body._resync_task is not None, timeout=10.0)
-        assert body._banned_at is not None and body._last_accepted < body._banned_at
+        assert await wait_for(lambda: body.guard.resync_task is not None, timeout=10.0)
+        assert body.guard.banned_at is not None and body.guard.last_accepted < body.guard.banned_at
     finally:
         drive.cancel()
         await stop_all([head, body, tail])
@@ -387,17 +387,17 @@ async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, ho
            make_runtime(m, 1, "body", net), make_runtime(m, 2, "tail", net)]
     logs = [io.StringIO() for _ in rts]
     for rt, f in zip(rts, logs):
-        rt.step_log = f
+        rt.trainer.step_log = f
 
     class Spy:  # an averager that only notes whether the step's look-ahead weights exist yet
         def __init__(self):
             self.cached_at_average = []
 
         def maybe_average(self, v):
-            cached = rts[1].la._cached
+            cached = rts[1].trainer.lookahead._cached
             self.cached_at_average.append(cached is None or cached.version != v)
 
-    spy = rts[1].averager = Spy()  # logging must not compute them before an average is applied
+    spy = rts[1].trainer.averager = Spy()  # logging must not compute them before an average is applied
     await train_until(rts, 20)
     recs = [[json.loads(line) for line in f.getvalue().splitlines()] for f in logs]
     for rt, rs in zip(rts, recs):
@@ -423,8 +423,8 @@ def test_checkpoint_state_round_trip(test_manifest, tmp_path):
     x = torch.randn(m.data.batch_size, m.model.seq_len, m.k)
     ids = torch.randint(0, 256, (m.data.batch_size, m.model.seq_len))
     a.stage(x, ids).square().mean().backward()
-    a.optimizer.step()
-    a.la.stepped()
+    a.trainer.optimizer.step()
+    a.trainer.lookahead.stepped()
     tensors, meta = a.checkpoint_state()
     save_checkpoint(tmp_path, a.version, tensors, meta)
     step, tensors, meta = load_latest_checkpoint(tmp_path)
@@ -433,13 +433,14 @@ def test_checkpoint_state_round_trip(test_manifest, tmp_path):
     assert step == b.version == 1 and meta["stage"] == 1 and meta["manifest_hash"] == a.mhash
     for (n, p), (_, q) in zip(a.stage.named_parameters(), b.stage.named_parameters()):
         assert torch.equal(p, q), n
-    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    sa, sb = a.trainer.optimizer.state_dict()["state"], b.trainer.optimizer.state_dict()["state"]
     assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
 
 
 @pytest.mark.asyncio
 async def test_compute_worker_runs_gradients_before_forwards():
-    worker = ComputeWorker(asyncio.get_running_loop())
+    worker = ComputeWorker()
+    worker.start()
     gate, order = threading.Event(), []
     try:
         first = worker.submit("fwd", gate.wait)
@@ -508,7 +509,7 @@ async def test_handlers_refuse_what_a_stage_cannot_take(test_manifest):
         assert e.value.reason == "bad-frame"
     finally:
         await stop_all([head, tail, joining])
-    assert tail.version == 0 and not head.contexts
+    assert tail.version == 0 and not head.pipeline.contexts
     assert Reason.BUSY.value == "busy"
 
 
@@ -525,30 +526,30 @@ async def test_architecture_warmup_unlocks_each_stages_blocks_on_the_shared_sche
     tail = make_runtime(m, 2, "tail", net)
     rts = [head, body, tail]
     body_block, tail_block = body.stage.blocks[0], tail.stage.blocks[0]
-    assert body.arch.locked == {1} and tail.arch.locked == {2} and head.arch.locked == set()
+    assert body.trainer.warmup.locked == {1} and tail.trainer.warmup.locked == {2} and head.trainer.warmup.locked == set()
     assert not body_block.active and not any(p.requires_grad for p in body_block.parameters())
     before = {n: p.detach().clone() for n, p in tail_block.named_parameters()}
     await train_until(rts, 14, drain=True)
-    assert body.arch.locked == set() and tail.arch.locked == set()
+    assert body.trainer.warmup.locked == set() and tail.trainer.warmup.locked == set()
     assert body_block.active and tail_block.active
     # unlocked at step 8 and trained for ~6 steps since: re-initialised, then moved by updates
     proj = {id(p) for q in tail_block.output_projections() for p in q.parameters()}
     moved = [n for n, p in tail_block.named_parameters() if id(p) in proj and p.abs().sum() > 0]
     assert moved, "the unlocked block's output projection never left zero"
     assert any(not torch.equal(p, before[n]) for n, p in tail_block.named_parameters())
-    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in tail.loss_history)
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in tail.trainer.loss_history)
 
     # a restore at step 5 (a checkpoint of the body): layer 1 is unlocked as loaded, untouched
     fresh = make_runtime(m, 1, "body2", Net())
     tensors, meta = body.checkpoint_state()
     meta = {**meta, "version": 5}
     fresh.restore(tensors, meta)
-    assert fresh.arch.locked == set() and fresh.stage.blocks[0].active
+    assert fresh.trainer.warmup.locked == set() and fresh.stage.blocks[0].active
     for (n, p), (_, q) in zip(fresh.stage.named_parameters(), body.stage.named_parameters()):
         assert torch.equal(p, q), n
     late = make_runtime(m, 2, "tail2", Net())
     late.set_version(5)  # a joiner that downloaded the tail's state at step 5: layer 2 still locked
-    assert late.arch.locked == {2} and not late.stage.blocks[0].active
+    assert late.trainer.warmup.locked == {2} and not late.stage.blocks[0].active
 
 
 @pytest.mark.asyncio
@@ -574,11 +575,11 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
 
     body.transport.request = spy
     await train_until(rts, 40)
-    head_tau = head.la.delays.tau_hat
-    assert head_tau > 0 and head.la.horizon is None  # the head looks ahead by its own τ̂ either way
+    head_tau = head.trainer.lookahead.delays.tau_hat
+    assert head_tau > 0 and head.trainer.lookahead.horizon is None  # the head looks ahead by its own τ̂ either way
     if horizon == "stage":
-        assert body.la.horizon is None and tail.la.horizon is None and set(sent) == {None}
-        assert tail.la.weights().tau_hat == 0
+        assert body.trainer.lookahead.horizon is None and tail.trainer.lookahead.horizon is None and set(sent) == {None}
+        assert tail.trainer.lookahead.weights().tau_hat == 0
         return
     # passed on by the body; the first microbatches left the head before its step period was
     # known (two steps: up to max_inflight + 1 microbatches)
@@ -587,16 +588,16 @@ async def test_pipeline_horizon_travels_with_fwd_and_sets_downstream_lookahead(t
     for rt in (body, tail):
         # the EMA of the head's seconds over this stage's own step period; one replica per
         # stage, so every stage steps once per microbatch and that is about the head's τ̂
-        assert rt.la.horizon == pytest.approx(min(rt.horizon_s / rt.clock.period, rt.max_horizon))
-        assert rt.la.horizon == pytest.approx(head_tau, abs=1.5)
-        assert rt.la.extrapolation == max(rt.la.delays.tau_hat, rt.la.horizon)
-        assert rt.status()["lookahead_horizon"] == round(rt.la.extrapolation, 2)
-    assert tail.la.horizon > 0 and tail.la.weights().tau_hat == tail.la.extrapolation == tail.la.horizon
+        assert rt.trainer.lookahead.horizon == pytest.approx(min(rt.trainer.horizon_s / rt.trainer.clock.period, rt.trainer.max_horizon))
+        assert rt.trainer.lookahead.horizon == pytest.approx(head_tau, abs=1.5)
+        assert rt.trainer.lookahead.extrapolation == max(rt.trainer.lookahead.delays.tau_hat, rt.trainer.lookahead.horizon)
+        assert rt.status()["lookahead_horizon"] == round(rt.trainer.lookahead.extrapolation, 2)
+    assert tail.trainer.lookahead.horizon > 0 and tail.trainer.lookahead.weights().tau_hat == tail.trainer.lookahead.extrapolation == tail.trainer.lookahead.horizon
     # a peer announcing an absurd horizon (the protocol allows up to an hour) cannot push a
     # stage's extrapolation past its max_inflight, the bound of the head's delay in 1F1B
     for _ in range(200):
-        body._note_head_horizon(3600.0)
-    assert body.la.horizon <= body.max_horizon == m.train.max_inflight
+        body.trainer.note_head_horizon(3600.0)
+    assert body.trainer.lookahead.horizon <= body.trainer.max_horizon == m.train.max_inflight
 
 
 def test_pipeline_horizon_is_counted_in_own_steps(test_manifest):
@@ -607,17 +608,17 @@ def test_pipeline_horizon_is_counted_in_own_steps(test_manifest):
     net = Net()
     head = make_runtime(m, 0, "head", net)
     body = make_runtime(m, 1, "body", net)
-    head.la.delays.tau_hat = 3.0
+    head.trainer.lookahead.delays.tau_hat = 3.0
     for t in range(5):
-        head.clock.tick(float(t))  # one step a second
-        body.clock.tick(3.0 * t)  # one step every three seconds
+        head.trainer.clock.tick(float(t))  # one step a second
+        body.trainer.clock.tick(3.0 * t)  # one step every three seconds
     ctx = type("Ctx", (), {"horizon_s": None})()
-    h_s = head._horizon_to_send(ctx)
+    h_s = head.trainer.horizon_to_send(ctx)
     assert h_s == pytest.approx(3.0)
-    assert body.la.horizon is None  # nothing received yet
-    body._note_head_horizon(h_s)
-    assert body.la.horizon == pytest.approx(1.0)
-    assert body._horizon_to_send(type("Ctx", (), {"horizon_s": h_s})()) == h_s  # passed on unchanged
-    body.clock.tick(12.0 + 1.5)  # the body speeds up: a step 1.5 s after the last one
-    body._refresh_horizon()
-    assert body.la.horizon == pytest.approx(3.0 / (0.9 * 3.0 + 0.1 * 1.5))
+    assert body.trainer.lookahead.horizon is None  # nothing received yet
+    body.trainer.note_head_horizon(h_s)
+    assert body.trainer.lookahead.horizon == pytest.approx(1.0)
+    assert body.trainer.horizon_to_send(type("Ctx", (), {"horizon_s": h_s})()) == h_s  # passed on unchanged
+    body.trainer.clock.tick(12.0 + 1.5)  # the body speeds up: a step 1.5 s after the last one
+    body.trainer._refresh_horizon()
+    assert body.trainer.lookahead.horizon == pytest.approx(3.0 / (0.9 * 3.0 + 0.1 * 1.5))

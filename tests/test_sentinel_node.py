@@ -146,7 +146,7 @@ async def test_a_relayed_refusal_blames_only_the_hop_whose_output_was_refused(te
     assert value(s1, "swarm_node_bans_total", cause="verifier-downstream") == 1
     assert value(s1, "swarm_node_served_total", protocol="bwd", result="skip") >= m.sentinel.flags_to_ban
     assert value(head, "swarm_node_bans_total") == 0
-    assert not any(any(outcomes) for outcomes in head._downstream.values())  # no refusal held against s1
+    assert not any(any(outcomes) for outcomes in head.guard.downstream.values())  # no refusal held against s1
     assert not head.router.banned()
 
 
@@ -160,24 +160,25 @@ async def test_scattered_refusals_of_an_honest_replica_never_ban_it(test_manifes
     link([head, b1, b2])
     n = test_manifest.sentinel.flags_to_ban + 2
     for i in range(200):
-        head._downstream_outcome("b1", i % 3 == 0)  # a third refused, never n in a row
+        head.guard.downstream_outcome("b1", i % 3 == 0)  # a third refused, never n in a row
     assert not head.router.banned()
     for _ in range(n - 1):
-        head._downstream_outcome("b1", True)
+        head.guard.downstream_outcome("b1", True)
     assert not head.router.is_banned("b1")
-    head._downstream_outcome("b1", True)
-    assert head.router.is_banned("b1") and head.is_banned_sender("b1")
+    head.guard.downstream_outcome("b1", True)
+    assert head.router.is_banned("b1") and head.guard.is_banned_sender("b1")
     for _ in range(3 * n):  # b2 is now the last replica of its stage: never banned this way
-        head._downstream_outcome("b2", True)
+        head.guard.downstream_outcome("b2", True)
     assert not head.router.is_banned("b2")
-    head._verify_pool.shutdown()
+    head.guard.stop()
 
 
 def test_marginal_refusals_in_a_row_do_not_ban_but_clear_ones_do(test_manifest):
-    """The next stage's reject carries its verifier's score; a burst of barely-over-the-fence
-    refusals (an honest replica whose statistics drift) weighs 0.25 each and bans no one, while
-    clear refusals, rule rejections and refusals for a ban at the next stage count fully."""
-    from security.bans import verdict_detail
+    """The next stage's refusal carries its verifier's score as a typed field; a burst of
+    barely-over-the-fence refusals (an honest replica whose statistics drift) weighs 0.25 each
+    and bans no one, while clear refusals, rule rejections (no score) and refusals for a ban at
+    the next stage count fully."""
+    from security.bans import verdict_score
     from security.verifier import Verdict
 
     net = Net()
@@ -185,24 +186,24 @@ def test_marginal_refusals_in_a_row_do_not_ban_but_clear_ones_do(test_manifest):
     b1, b2, b3 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2", "b3"))
     link([head, b1, b2, b3])
     n = test_manifest.sentinel.flags_to_ban + 2
-    marginal = "output-rejected: " + verdict_detail(Verdict(False, "sentinel:swd", score=1.1))
-    clear = "output-rejected: " + verdict_detail(Verdict(False, "sentinel:swd", score=1.7))
-    assert marginal == "output-rejected: sentinel:swd score 1.100"
+    marginal = verdict_score(Verdict(False, "sentinel:swd", score=1.1))
+    clear = verdict_score(Verdict(False, "sentinel:swd", score=1.7))
+    assert marginal == pytest.approx(1.1)
     for _ in range(4 * n):
-        head._downstream_outcome("b1", True, marginal)
+        head.guard.downstream_outcome("b1", True, marginal)
     assert not head.router.banned()
-    # the next stage then bans b1 itself (its own weighted flags); those refusals count fully
+    # the next stage then bans b1 itself (its own weighted flags); those refusals carry no score
     for i in range(n):
-        head._downstream_outcome("b1", True, "output-rejected: banned by the next stage")
+        head.guard.downstream_outcome("b1", True, None, "banned by the next stage")
         if head.router.is_banned("b1"):
             break
     assert head.router.is_banned("b1") and i == 2  # 0.25 + 0.25 + 1 + 1 + 1 >= 3
     for _ in range(n - 1):
-        head._downstream_outcome("b2", True, clear)
+        head.guard.downstream_outcome("b2", True, clear)
     assert not head.router.is_banned("b2")
-    head._downstream_outcome("b2", True, clear)
+    head.guard.downstream_outcome("b2", True, clear)
     assert head.router.is_banned("b2")
-    head._verify_pool.shutdown()
+    head.guard.stop()
 
 
 def test_attacks_are_one_instance_per_direction():
@@ -235,16 +236,15 @@ def test_the_verifier_thread_has_its_own_torch_thread_count():
         pool.shutdown()
 
 
-def test_refusal_weight_reads_the_score_of_a_relayed_reject():
-    from security.bans import refusal_weight, verdict_detail
+def test_a_refusal_weighs_by_the_score_it_carries():
+    from security.bans import refusal_weight_of, verdict_score
     from security.verifier import Verdict
 
-    assert verdict_detail(Verdict(False, "nan")) == "nan"  # a rule's rejection carries no score
-    assert verdict_detail(Verdict(False, "sentinel:tok", score=float("inf"))) == "sentinel:tok"
-    assert refusal_weight("output-rejected: sentinel:tok score 1.050", 0.5) == 0.25
-    assert refusal_weight("output-rejected: sentinel:tok score 1.300", 0.5) == pytest.approx(0.6)
-    assert refusal_weight("output-rejected: sentinel:l1 score 4.2", 0.5) == 1.0
-    assert refusal_weight("output-rejected: sentinel:l1 score 1.1", 0.0) == 1.0  # ban_margin 0: unweighted
-    for detail in ("output-rejected: nan", "output-rejected: banned by the next stage", "", "scores 1.1",
-                   "score x"):
-        assert refusal_weight(detail, 0.5) == 1.0
+    assert verdict_score(Verdict(False, "nan")) is None  # a rule's rejection carries no score
+    assert verdict_score(Verdict(False, "sentinel:tok", score=float("inf"))) is None
+    assert verdict_score(Verdict(False, "sentinel:tok", score=1.05)) == pytest.approx(1.05)
+    assert refusal_weight_of(1.05, 0.5) == 0.25
+    assert refusal_weight_of(1.3, 0.5) == pytest.approx(0.6)
+    assert refusal_weight_of(4.2, 0.5) == 1.0
+    assert refusal_weight_of(1.1, 0.0) == 1.0  # ban_margin 0: unweighted
+    assert refusal_weight_of(None, 0.5) == 1.0  # no score: a rule's rejection or a ban there

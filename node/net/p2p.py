@@ -43,15 +43,17 @@ from protocol.frames import (
     parse_header,
     parse_prefix,
 )
-from protocol.messages import make_reject
+from protocol.messages import (  # noqa: F401 - the protocol ids are defined in protocol/, re-exported here
+    BWD,
+    FWD,
+    HEALTH,
+    PROTOCOLS,
+    STATE,
+    make_reject,
+    parse_reply,
+)
 
 logger = logging.getLogger(__name__)
-
-FWD = "/swarm-node/fwd/1"
-BWD = "/swarm-node/bwd/1"
-STATE = "/swarm-node/state/1"
-HEALTH = "/swarm-node/health/1"
-PROTOCOLS = (FWD, BWD, STATE, HEALTH)
 
 # One read from the daemon's unix socket: large reads keep the per-byte cost of Python low.
 READ_CHUNK = 1 << 20
@@ -81,12 +83,16 @@ class PeerBusy(TransportError):
 
 
 class PeerRejected(TransportError):
-    """The peer answered ``reject`` with a reason code (``wrong-run``, ``stale``, ...)."""
+    """The peer answered ``reject`` with a reason code (``wrong-run``, ``stale``, ...).
 
-    def __init__(self, reason: str, detail: str = ""):
+    ``score``: the reject's optional ``score`` field (with ``rejected-by-verifier``: the peer's
+    verifier score, > 0 and finite), None when it sent none or sent a malformed one."""
+
+    def __init__(self, reason: str, detail: str = "", score: float | None = None):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+        self.score = score
 
 
 @dataclass
@@ -372,7 +378,7 @@ class Transport:
 
         ``header`` + ``tensors`` are encoded here; or pass an already encoded frame (the buffer
         list of ``protocol.messages.make_*``) as ``header``. Raises :class:`PeerBusy`,
-        :class:`PeerRejected` (``.reason``, ``.detail``), :class:`PeerUnreachable`,
+        :class:`PeerRejected` (``.reason``, ``.detail``, ``.score``), :class:`PeerUnreachable`,
         ``asyncio.TimeoutError`` (the whole exchange took longer than ``timeout`` s), or
         ``ProtocolError`` if the reply itself is malformed or breaks ``limits`` (default: the
         transport's). Cancelling the call resets the stream.
@@ -479,7 +485,11 @@ class Transport:
         self.stats.rejects_received[(protocol_id, reason)] += 1
         if reason == Reason.BUSY.value:
             raise PeerBusy(f"{protocol_id}: {detail}" if detail else protocol_id)
-        raise PeerRejected(reason, detail)
+        try:
+            score = parse_reply(frame).score
+        except ProtocolError:  # a malformed reject still refuses; only its typed fields are not trusted
+            score = None
+        raise PeerRejected(reason, detail, score)
 
     @contextlib.asynccontextmanager
     async def _peer_slot(self, peer_id: str) -> AsyncIterator[None]:

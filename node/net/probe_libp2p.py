@@ -5,10 +5,12 @@ object to stdout. ``node.net.probe`` starts it as a subprocess, because py-libp2
 (asyncio, go-libp2p daemon) register the same protobuf symbols and can never share a process.
 Never import hivemind (or node.net.p2p) here.
 
-The frames are written from the byte-level spec (docs/PROTOCOL.md), not with ``protocol/``:
-``b"SWN1"``, u32 big-endian header length, msgpack header, raw little-endian tensor bytes. So the
-probe checks two things at once: that another libp2p implementation can reach the node over
-Noise + yamux, and that the node's framing is what the spec says.
+The frames are written from the byte-level spec (docs/PROTOCOL.md), not with ``protocol/``'s
+encoder: ``b"SWN1"``, u32 big-endian header length, msgpack header, raw little-endian tensor
+bytes. So the probe checks two things at once: that another libp2p implementation can reach the
+node over Noise + yamux, and that the node's framing is what the spec says. Only the names come
+from ``protocol/`` (the stream protocol ids and the version, defined there once); ``protocol``
+imports torch, msgpack and numpy, never hivemind.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import time
 
 import msgpack
 
-HEALTH = "/swarm-node/health/1"
-FWD = "/swarm-node/fwd/1"
-MAGIC = b"SWN1"
-VERSION = 1
+from protocol.frames import PROTOCOL_VERSION as VERSION
+from protocol.messages import FWD, HEALTH
+
+MAGIC = b"SWN1"  # written out from the spec on purpose (see above), not protocol.frames.MAGIC
 MAX_REPLY_HEADER = 64 * 1024
 MAX_REPLY_BODY = 1 << 20  # health/ack/reject carry no tensors; allow a little
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Awaitable, Callable
 
 import torch
 
@@ -38,27 +39,23 @@ def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in module.named_parameters()}
 
 
-def snapshot_parameters(runtime) -> tuple[int, dict[str, torch.Tensor]]:
-    """Compute-worker job: the current version and CPU copies of the stage's parameters."""
-    with torch.no_grad():
-        tensors = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in parameters_of(runtime.stage).items()}
-    return runtime.version, tensors
-
-
-async def serve_state(runtime, frame, peer: str):
-    """``/swarm-node/state/1`` handler: yield our weights as chunk frames."""
-    req = validate_state_request(frame, runtime.run_id, runtime.mhash, runtime.index)
-    if runtime.state not in ("online", "draining"):
-        raise ProtocolError(Reason.BUSY, f"this replica is {runtime.state}; ask an online one")
-    version, tensors = await runtime.worker.submit("ctl", snapshot_parameters, runtime)
+async def serve_state(frame, peer: str, *, run: str, mhash: str, stage_index: int, state: Callable[[], str],
+                      snapshot: Callable[[], Awaitable[tuple[int, dict[str, torch.Tensor]]]], metrics=None):
+    """``/swarm-node/state/1`` handler: yield our weights as chunk frames. ``state`` is the
+    replica's state now; ``snapshot`` gives one consistent (version, CPU parameters), taken by the
+    compute worker between two jobs."""
+    req = validate_state_request(frame, run, mhash, stage_index)
+    if state() not in ("online", "draining"):
+        raise ProtocolError(Reason.BUSY, f"this replica is {state()}; ask an online one")
+    version, tensors = await snapshot()
     chunk = min(req.max_chunk_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
     sent = 0
-    for frame_buffers in state_chunks(runtime.run_id, runtime.mhash, runtime.index, version, tensors,
-                                      max_chunk_bytes=max(1024, chunk)):
+    for frame_buffers in state_chunks(run, mhash, stage_index, version, tensors, max_chunk_bytes=max(1024, chunk)):
         sent += sum(memoryview(b).nbytes for b in frame_buffers)
         yield frame_buffers
-    runtime.metrics.state_sync_bytes.labels(direction="out").inc(sent)
-    log.info("sent stage %d state (version %d, %.1f MiB) to %s", runtime.index, version, sent / 2**20, peer[-8:])
+    if metrics is not None:
+        metrics.state_sync_bytes.labels(direction="out").inc(sent)
+    log.info("sent stage %d state (version %d, %.1f MiB) to %s", stage_index, version, sent / 2**20, peer[-8:])
 
 
 async def fetch_state(transport, peer: str, run: str, mhash: str, stage_index: int,

@@ -30,6 +30,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from protocol.messages import PROTOCOLS
+
 STATES = ("starting", "joining", "online", "draining", "offline")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -148,8 +150,8 @@ class NodeMetrics:
 class _WireBytes:
     """Collector for ``swarm_node_wire_bytes_total{protocol, direction}``."""
 
-    NAMES = {"/swarm-node/fwd/1": "fwd", "/swarm-node/bwd/1": "bwd", "/swarm-node/state/1": "state",
-             "/swarm-node/health/1": "health"}
+    # protocol id -> label, e.g. /swarm-node/fwd/1 -> fwd (the ids are defined in protocol/)
+    NAMES = {pid: pid.split("/")[2] for pid in PROTOCOLS}
 
     def __init__(self, metrics: NodeMetrics):
         self.metrics = metrics

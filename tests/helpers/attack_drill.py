@@ -47,7 +47,7 @@ def peer_id_of(node: NodeProc) -> str | None:
 
 def banned_in_logs(node: NodeProc, peer: str) -> int:
     """How many times ``node`` logged a ban of ``peer`` (routing bans of every cause)."""
-    return len(re.findall(rf"\bbanned {re.escape(peer)} for ", node.ops.logs()))
+    return len(re.findall(rf"\bbanned {re.escape(peer)} for ", node.logs()))
 
 
 def _served(sw: LocalSwarm, node: NodeProc) -> float:

@@ -13,7 +13,7 @@ import inspect
 
 from node.net.p2p import PeerBusy, PeerRejected, PeerUnreachable
 from protocol.frames import FrameDecoder, ProtocolError, encode_frame
-from protocol.messages import make_reject
+from protocol.messages import make_reject, parse_reply
 
 
 def frame_of(buffers, limits=None):
@@ -91,7 +91,8 @@ class MemTransport:
         if reply.header["type"] == "reject":
             if reply.header["reason"] == "busy":
                 raise PeerBusy(reply.header.get("detail", ""))
-            raise PeerRejected(reply.header["reason"], reply.header.get("detail", ""))
+            rejected = parse_reply(reply)
+            raise PeerRejected(rejected.reason_code, rejected.detail, score=rejected.score)
         return reply
 
     async def request_stream(self, peer, protocol_id, header, tensors=(), *, timeout):

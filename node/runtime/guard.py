@@ -1,0 +1,189 @@
+"""The guard of a stage: SENTINEL verdicts on every accepted tensor, bans, the downstream rule,
+and re-sync while this replica is banned elsewhere.
+
+- **Every accepted tensor passes the verifier first** (activations on ``fwd``, gradients on
+  ``bwd``), off the event loop on its own thread with its own small torch thread count (so it
+  never competes with the compute worker for cores); verdicts are counted by reason, and a sender
+  flagged ``sentinel.flags_to_ban`` times among its last 20 verdicts is banned, routed around, and
+  forgotten by the verifier (a later return is judged afresh, as a newcomer).
+- **Downstream rule**: a next hop whose *own output* the stage after it refused several times in
+  a row (its ``skip`` with ``refused: own``) is banned here too, so the stage before a poisoner
+  stops sending it work.
+- **Re-sync**: while a neighbour answers ``banned`` to us, this replica keeps fetching another
+  replica's weights, so it does not come back with weights a whole ban old.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable
+
+import torch
+
+from node.runtime.options import RuntimeOptions
+from node.runtime.worker import Tasks, pin_torch_threads
+from protocol.frames import Reason
+from security.bans import BanList, ban_weight, refusal_weight_of
+from stages.manifest import SentinelConfig
+
+log = logging.getLogger("swarm_node.runtime")
+
+
+class Guard:
+    """Verdicts and bans of one stage (``index``); see the module docstring."""
+
+    def __init__(self, index: int, sentinel: SentinelConfig, options: RuntimeOptions, *, verifier, router,
+                 metrics, tasks: Tasks, resync: Callable[[], Awaitable[bool]]):
+        self.index, self.sentinel, self.options = index, sentinel, options
+        self.verifier, self.router, self.metrics, self.tasks = verifier, router, metrics, tasks
+        self.resync = resync  # fetch and adopt another replica's weights; False when none gave them
+        self.banlist = BanList(flags_to_ban=sentinel.flags_to_ban, memory=max(20, sentinel.flags_to_ban),
+                               base_s=options.ban_flags_seconds)
+        # next hop -> refusal weights of its recent outputs (0 when the output got through)
+        self.downstream: dict[str, collections.deque] = {}
+        self.banned_at: float | None = None  # when a neighbour last answered "banned"
+        self.last_accepted = 0.0  # when a neighbour last accepted a fwd or a gradient of ours
+        self.resync_task: asyncio.Task | None = None
+        self.stopping = False
+        self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
+
+    def start(self) -> None:
+        pin_torch_threads(self._verify_pool, self.options.verify_threads)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ verdicts
+
+    async def verify(self, peer: str, direction: str, tensor: torch.Tensor, version: int,
+                     ids: torch.Tensor | None, mb: int):
+        """Run the verifier off the event loop; count the verdict; ban a sender whose recent
+        tensors keep being flagged (``security.bans.BanList``: flags_to_ban of the last 20, each
+        flag weighted by how far its score is over the fence, ``sentinel.ban_margin``)."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        call = functools.partial(self.verifier.verify, peer, direction, tensor, step=version, ids=ids, mb=mb)
+        verdict = await loop.run_in_executor(self._verify_pool, call)
+        self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+        label = "accept" if verdict.accept else "reject"
+        self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
+        now = time.monotonic()
+        mostly_ok = self.banlist.flag_rate(peer) < 0.5
+        weight = ban_weight(verdict, self.sentinel.ban_margin)
+        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or ""), weight=weight) \
+                and mostly_ok and self.last_replica(peer):
+            # A ban exists to route around a peer. With no other replica of its stage it would only
+            # stop the pipeline, so a sender whose tensors mostly pass is spared (its flagged tensors
+            # are still dropped one by one); one whose tensors mostly fail is banned all the same.
+            self.banlist.spare(peer, now)
+            log.warning("%s keeps failing verification (%s) but is the only replica of its stage: not banned; "
+                        "its flagged tensors are dropped", peer[-8:], verdict.reason)
+        elif self.banlist.is_banned(peer, now) and peer not in self.router.banned():
+            self._ban(peer, now, "verifier", f"its {direction} tensors keep failing verification ({verdict.reason})")
+        elif not verdict.accept:
+            log.warning("verifier rejected %s from %s: %s (score %.2f)", direction, peer[-8:], verdict.reason,
+                        float(getattr(verdict, "score", 0.0) or 0.0))
+        return verdict
+
+    def _ban(self, peer: str, now: float, cause: str, why: str) -> None:
+        """``peer`` collected enough flags (``banlist`` banned it): route around it for the ban's
+        duration, and make the verifier forget it, so its references no longer vote in the
+        stage's median (with two replicas, half of it) and its return after the ban is judged
+        from its first tensor against the honest majority, as a newcomer."""
+        until = self.banlist.banned(now).get(peer, now)
+        self.router.ban(peer, until - now, cause)
+        self.metrics.bans.labels(cause=cause).inc()
+        forget = getattr(self.verifier, "forget", None)
+        if forget is not None:  # on the verifier's thread, after the verdicts already queued there
+            with contextlib.suppress(RuntimeError):  # the pool is shut down: we are stopping
+                self._verify_pool.submit(forget, peer)
+        log.warning("banned %s for %.0f s: %s", peer, until - now, why)
+
+    def downstream_outcome(self, peer: str, refused: bool, score: float | None = None, detail: str = "") -> None:
+        """What became of the output of ``peer`` (our next hop): the next stage refused it (``peer``
+        itself reports that with a ``skip`` marked ``refused: own``, carrying the next stage's
+        verifier score when a fence refused) or it got through (a gradient came back from
+        ``peer``). Without this a replica whose activations are always refused never returns a
+        gradient for us to judge, and we would keep routing work to it.
+
+        Its own rule, not flags in ``banlist``: ban when the last ``flags_to_ban + 2`` outputs were
+        ALL refused and those refusals weigh at least ``flags_to_ban``. A poisoner's are (it is
+        banned after that many microbatches); an honest replica's are refused at the next stage's
+        false-positive rate, a few percent, and mixing those into the 3-of-20 rule with our own
+        false positives on its gradients banned an honest replica in a real run.
+
+        Weights: a refusal counts the next stage's own flag weight of its score (``refusal_weight_of``:
+        a score of 1 + ``ban_margin`` or more, a rule's rejection without a score, or a ban there:
+        1; barely over the fence: 0.25). Honest refusals are not independent: when a replica's
+        statistics drift they come in bursts of marginal scores (six in a row at 1.08–1.14 in a
+        clean real swarm, which banned an honest replica under the unweighted rule); those no
+        longer ban here. A replica that keeps sending marginal tensors is still refused each time
+        (nothing reaches the model) and is banned by the next stage's weighted flags, whose
+        "banned by the next stage" refusals then count fully here. The last replica of a stage is
+        never banned this way (nothing to route to instead; the next stage drops what it refuses
+        anyway)."""
+        flags_to_ban = self.sentinel.flags_to_ban
+        recent = self.downstream.setdefault(peer, collections.deque(maxlen=flags_to_ban + 2))
+        if not refused:
+            recent.append(0.0)
+            return
+        recent.append(refusal_weight_of(score, self.sentinel.ban_margin))
+        log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
+        if len(recent) < recent.maxlen or not all(recent) or sum(recent) < flags_to_ban \
+                or peer in self.router.banned() or self.last_replica(peer):
+            return
+        recent.clear()
+        now = time.monotonic()
+        self.banlist.ban(peer, now, reason="downstream")
+        self._ban(peer, now, "verifier-downstream", f"the next stage refused its last {recent.maxlen} outputs ({detail})")
+
+    def last_replica(self, peer: str) -> bool:
+        """True if ``peer`` is the only online, unbanned replica of its stage that we know of."""
+        st = self.router.peers.get(peer)
+        if st is None:
+            return False
+        return not [p for p in self.router.stage_peers(st.stage) if p.peer_id != peer]
+
+    def is_banned_sender(self, peer: str) -> bool:
+        return self.banlist.is_banned(peer, time.monotonic())
+
+    def banned_by_next_stage(self) -> bool:
+        """A replica of the next stage answered ``banned`` to us and its ban in our router (that
+        answer's cause) still runs."""
+        now = time.monotonic()
+        return any(p.ban_cause == Reason.BANNED.value and p.banned_until > now
+                   for p in self.router.stage_peers(self.index + 1, include_banned=True))
+
+    # ------------------------------------------------------------------ re-sync after a ban
+
+    def note_accepted(self) -> None:
+        """A neighbour accepted a fwd or a gradient of ours."""
+        self.last_accepted = time.monotonic()
+
+    def note_banned(self) -> None:
+        """A neighbour answered "banned": while nothing of ours is accepted, keep this replica's
+        weights caught up with another replica of the stage (``_resync_while_banned``)."""
+        self.banned_at = time.monotonic()
+        if self.options.resync_every > 0 and not self.stopping and (
+                self.resync_task is None or self.resync_task.done()):
+            self.resync_task = self.tasks.spawn(self._resync_while_banned())
+
+    async def _resync_while_banned(self) -> None:
+        """Every ``resync_every`` seconds, until a fwd or bwd of ours is accepted again (or four
+        first-ban lengths have passed), fetch another replica's weights. A banned replica gets no
+        work, so without this it came back with weights a whole ban old, was judged (as a
+        newcomer) against the replica that kept training, and was banned again at once: in every
+        clean real swarm that banned an honest replica (docs/SENTINEL.md)."""
+        limit = time.monotonic() + 4 * self.options.ban_flags_seconds
+        while not self.stopping and time.monotonic() < limit:
+            await asyncio.sleep(self.options.resync_every)
+            if self.stopping or (self.banned_at is not None and self.last_accepted > self.banned_at):
+                return
+            await self.resync()

@@ -1,0 +1,310 @@
+"""The pipeline side of a stage: the ``fwd``/``bwd`` handlers, the contexts of microbatches in
+flight, and (at the head) the driver that injects microbatches.
+
+- **Inbound queues are bounded**: a ``fwd`` that finds ``queue_size`` forwards waiting is
+  answered ``busy`` at once, and the sender's router tries another replica.
+- **Contexts**: for a microbatch in flight a stage keeps only its input, its route, the weights
+  version it was forwarded with (``stages.asyncmesh.StageWeights``, the look-ahead snapshot the
+  backward must recompute with) and the peer it went to. Each context has a TTL
+  (``liveness.Liveness``); a context whose next hop stops answering is dropped at once, and every
+  drop sends a ``skip`` upstream so the stages before free theirs too. Nothing waits forever and
+  nothing leaks.
+- **Head** stages draw microbatches from their own data shard and keep at most ``max_inflight``
+  in flight (``StepPolicy``); the **tail** computes the loss from the token ids carried in the
+  ``fwd`` frame and starts the backward; gradients go back along the recorded route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import time
+from typing import Callable
+
+import torch
+
+from node.runtime.guard import Guard
+from node.runtime.options import Context, RuntimeOptions
+from node.runtime.sends import Sender, Skip
+from node.runtime.trainer import Trainer
+from node.runtime.worker import ComputeWorker, QueueFull, Tasks
+from protocol.frames import ProtocolError, Reason
+from protocol.messages import Expect, make_ack, make_reject, validate_bwd, validate_fwd
+from security.bans import verdict_score
+
+log = logging.getLogger("swarm_node.runtime")
+
+
+class Pipeline:
+    """Microbatches through one stage: handlers, contexts, drops, and the head's driver."""
+
+    def __init__(self, index: int, n_stages: int, peer_id: str, options: RuntimeOptions, *,
+                 expect_fwd: Expect | None, expect_bwd: Expect | None, worker: ComputeWorker, trainer: Trainer,
+                 guard: Guard, sender: Sender, router, metrics, tasks: Tasks, state: Callable[[], str],
+                 batches=None, rng: random.Random | None = None):
+        self.index, self.peer_id, self.options = index, peer_id, options
+        self.is_head, self.is_tail = index == 0, index == n_stages - 1
+        self.expect_fwd, self.expect_bwd = expect_fwd, expect_bwd
+        self.worker, self.trainer, self.guard, self.sender = worker, trainer, guard, sender
+        self.router, self.metrics, self.tasks, self.state = router, metrics, tasks, state
+        self.batches = batches  # the head's data shard
+        self.rng = rng or random.Random()
+        self.contexts: dict[int, Context] = {}
+        self.pending: set[int] = set()  # microbatches accepted and queued for compute
+        self.reserved = 0  # fwd slots held by requests under verification
+        self.inflight = 0  # head: microbatches injected and not yet finished
+        self.rtts: collections.deque = collections.deque(maxlen=2048)  # head: microbatch round trips (s)
+        self.wake = asyncio.Event()  # the head driver waits on it for a free slot
+        self.stopping = False
+
+    def busy(self) -> bool:
+        """Anything in flight or queued here."""
+        return bool(self.contexts or self.pending or self.inflight
+                    or self.worker.depth("fwd") or self.worker.depth("bwd"))
+
+    def is_live(self, mb: int) -> bool:
+        return mb in self.contexts
+
+    # ------------------------------------------------------------------ inbound fwd
+
+    def _busy_reply(self, mb: int | None, detail: str, retry_ms: int = 200) -> list:
+        self.metrics.served.labels(protocol="fwd", result="busy").inc()
+        return make_reject(Reason.BUSY, detail, mb=mb, retry_ms=retry_ms)
+
+    async def on_fwd(self, frame, peer: str):
+        if self.expect_fwd is None:
+            raise ProtocolError(Reason.WRONG_STAGE, "this node holds stage 0 (the head); it takes no fwd")
+        self.expect_fwd.version = self.trainer.version
+        try:
+            fwd = validate_fwd(frame, self.expect_fwd, sender=peer)
+        except ProtocolError as e:
+            self.metrics.served.labels(protocol="fwd", result=e.reason.value).inc()
+            raise
+        if self.guard.is_banned_sender(peer):
+            self.metrics.served.labels(protocol="fwd", result="banned").inc()
+            return make_reject(Reason.BANNED, "this peer is banned here", mb=fwd.mb)
+        state = self.state()
+        if state != "online":
+            return self._busy_reply(fwd.mb, f"node is {state}", retry_ms=1000)
+        if fwd.mb in self.pending or fwd.mb in self.contexts:
+            return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd"))
+        if self.worker.depth("fwd") + self.reserved >= self.options.queue_size:
+            return self._busy_reply(fwd.mb, "compute queue full")
+        self.metrics.version_gap.observe(self.trainer.version - fwd.version)
+        self.reserved += 1
+        try:
+            verdict = await self.guard.verify(peer, "act", fwd.c, fwd.version, fwd.ids, fwd.mb)
+        finally:
+            self.reserved -= 1
+        if not verdict.accept:
+            self.metrics.served.labels(protocol="fwd", result="rejected-by-verifier").inc()
+            return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=fwd.mb,
+                               score=verdict_score(verdict))
+        if fwd.horizon_s is not None and self.trainer.pipeline_horizon:
+            self.trainer.note_head_horizon(fwd.horizon_s)
+        try:
+            fut = self.worker.submit("fwd", self.trainer.compute_fwd, fwd)
+        except QueueFull:
+            return self._busy_reply(fwd.mb, "compute queue full")
+        self.pending.add(fwd.mb)
+        self.tasks.spawn(self._after_fwd(fut, fwd))
+        self.metrics.served.labels(protocol="fwd", result="ack").inc()
+        self.update_gauges()
+        return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd"))
+
+    async def _after_fwd(self, fut: asyncio.Future, fwd) -> None:
+        route = fwd.route + (self.peer_id,)
+        try:
+            result = await fut
+        except Exception as e:  # noqa: BLE001
+            log.error("forward of mb %x failed: %r", fwd.mb, e)
+            self.pending.discard(fwd.mb)
+            self.metrics.microbatches.labels(outcome="failed").inc()
+            await self.sender.send_bwd(fwd.mb, route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]))
+            return
+        self.pending.discard(fwd.mb)
+        self.update_gauges()
+        if self.is_tail:
+            grad = result[0]
+            self.metrics.microbatches.labels(outcome="done").inc()
+            await self.sender.send_bwd(fwd.mb, route, grad=grad)
+            return
+        code, x, ids, w, version = result
+        ctx = Context(fwd.mb, route, x, ids, fwd.ids.to(torch.int32), w, version, horizon_s=fwd.horizon_s)
+        self.contexts[fwd.mb] = ctx
+        await self._forward(ctx, code)
+
+    async def _forward(self, ctx: Context, code: torch.Tensor) -> None:
+        """Send a context's output on; drop the context if no replica of the next stage takes it."""
+        skip = await self.sender.send_fwd(ctx, code, self.is_live, horizon_s=self.trainer.horizon_to_send(ctx))
+        if skip is not None:
+            self.drop(ctx.mb, skip)
+
+    # ------------------------------------------------------------------ inbound bwd
+
+    async def on_bwd(self, frame, peer: str):
+        if self.expect_bwd is None:
+            raise ProtocolError(Reason.WRONG_STAGE, "this node holds the last stage; it takes no bwd")
+        self.expect_bwd.version = self.trainer.version
+        try:
+            bwd = validate_bwd(frame, self.expect_bwd, sender=peer)
+        except ProtocolError as e:
+            self.metrics.served.labels(protocol="bwd", result=e.reason.value).inc()
+            raise
+        ctx = self.contexts.get(bwd.mb)
+        if ctx is None:
+            # expired, dropped or never ours: tell upstream at once so it frees its context too
+            self.metrics.served.labels(protocol="bwd", result="stale").inc()
+            if self.index > 0 and bwd.skip is None:
+                self.tasks.spawn(self.sender.send_bwd(bwd.mb, bwd.route[: self.index + 1],
+                                                      skip=Skip("stale", Reason.STALE, "no context")))
+            return make_reject(Reason.STALE, f"no in-flight microbatch {bwd.mb:x} here", mb=bwd.mb)
+        if ctx.next_peer != peer:
+            self.metrics.served.labels(protocol="bwd", result="bad-frame").inc()
+            raise ProtocolError(Reason.BAD_FRAME, "this microbatch was not sent to you")
+        if bwd.skip is not None:
+            self.metrics.served.labels(protocol="bwd", result="skip").inc()
+            verifier_refusal = bwd.skip == Reason.REJECTED_BY_VERIFIER.value
+            if verifier_refusal and bwd.refused == "own":
+                self.guard.downstream_outcome(peer, True, bwd.score, bwd.detail)
+            # passed on upstream as relayed: only the hop whose tensors were refused is blamed
+            self.drop(bwd.mb, Skip(f"skip-{bwd.skip}", bwd.skip, bwd.detail, score=bwd.score,
+                                   refused="relayed" if verifier_refusal else None))
+            return make_ack(bwd.mb, self.index, self.trainer.version)
+        if self.guard.is_banned_sender(peer):
+            self.metrics.served.labels(protocol="bwd", result="banned").inc()
+            self.drop(bwd.mb, Skip("sender-banned", Reason.BANNED))
+            return make_reject(Reason.BANNED, "this peer is banned here", mb=bwd.mb)
+        self.guard.downstream_outcome(peer, False)  # a gradient came back: the next stage took its output
+        verdict = await self.guard.verify(peer, "grad", bwd.grad, bwd.version, ctx.ids_wire, bwd.mb)
+        if not verdict.accept:
+            self.metrics.served.labels(protocol="bwd", result="rejected-by-verifier").inc()
+            self.drop(bwd.mb, Skip("grad-rejected", Reason.REJECTED_BY_VERIFIER))
+            return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=bwd.mb,
+                               score=verdict_score(verdict))
+        if bwd.mb not in self.contexts:  # dropped while we verified
+            return make_reject(Reason.STALE, "microbatch dropped meanwhile", mb=bwd.mb)
+        del self.contexts[bwd.mb]
+        self.router.on_done(peer)
+        self.pending.add(bwd.mb)
+        fut = self.worker.submit("bwd", self.trainer.compute_bwd, ctx, bwd.grad)
+        self.tasks.spawn(self._after_bwd(fut, ctx, bwd))
+        self.metrics.served.labels(protocol="bwd", result="ack").inc()
+        self.update_gauges()
+        return make_ack(bwd.mb, self.index, self.trainer.version)
+
+    async def _after_bwd(self, fut: asyncio.Future, ctx: Context, bwd) -> None:
+        try:
+            gx = await fut
+        except Exception as e:  # noqa: BLE001
+            log.error("backward of mb %x failed: %r", ctx.mb, e)
+            self.pending.discard(ctx.mb)
+            self._finish(ctx, "failed")
+            await self.sender.send_bwd(ctx.mb, bwd.route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]))
+            return
+        self.pending.discard(ctx.mb)
+        self.update_gauges()
+        self._finish(ctx, "done")
+        if self.index > 0:
+            await self.sender.send_bwd(ctx.mb, bwd.route, grad=gx)
+
+    # ------------------------------------------------------------------ finishing and dropping
+
+    def _finish(self, ctx: Context, outcome: str) -> None:
+        self.metrics.microbatches.labels(outcome=outcome).inc()
+        if self.is_head:
+            self.inflight = max(0, self.inflight - 1)
+            if outcome == "done" and ctx.sent_at:
+                rtt = time.monotonic() - ctx.sent_at
+                self.rtts.append(rtt)
+                self.metrics.mb_rtt.observe(rtt)
+            self.wake.set()
+        self.metrics.inflight.set(len(self.contexts))
+
+    def drop(self, mb: int, skip: Skip) -> None:
+        """Free a microbatch's context; tell upstream (when ``skip.reason`` is set) to skip it;
+        let the step policy count it."""
+        ctx = self.contexts.pop(mb, None)
+        if ctx is None:
+            return
+        if ctx.next_peer and ctx.sent_at:
+            self.router.on_done(ctx.next_peer)
+        log.debug("dropped mb %x (%s)", mb, skip.why)
+        self._finish(ctx, "expired" if skip.why == "expired" else "dropped")
+        if not self.stopping:
+            with contextlib.suppress(RuntimeError):
+                self.worker.submit("ctl", self.trainer.dropped)
+        if self.index > 0 and skip.reason is not None:
+            self.tasks.spawn(self.sender.send_bwd(mb, ctx.route, skip=skip))
+
+    def drop_all(self, why: str) -> None:
+        for mb in list(self.contexts):
+            self.drop(mb, Skip(why))
+
+    def lose_next_hop(self, peer: str, sent_before: float | None = None) -> int:
+        """Drop every microbatch sent to ``peer`` (before ``sent_before``, monotonic time, if given)
+        whose gradient can no longer come back; returns how many."""
+        lost = [mb for mb, ctx in self.contexts.items()
+                if ctx.next_peer == peer and ctx.sent_at and (sent_before is None or ctx.sent_at < sent_before)]
+        for mb in lost:
+            self.drop(mb, Skip("next-hop-lost", Reason.INTERNAL))
+        return len(lost)
+
+    def update_gauges(self) -> None:
+        self.metrics.queue_depth.labels(direction="fwd").set(self.worker.depth("fwd"))
+        self.metrics.queue_depth.labels(direction="bwd").set(self.worker.depth("bwd"))
+        self.metrics.inflight.set(len(self.contexts))
+
+    # ------------------------------------------------------------------ head driver
+
+    def _new_mb(self) -> int:
+        while True:
+            mb = self.rng.getrandbits(63)
+            if mb not in self.contexts and mb not in self.pending:
+                return mb
+
+    async def drive(self) -> None:
+        """Head: inject microbatches from our data shard while the step policy allows."""
+        assert self.is_head and self.batches is not None
+        policy = self.trainer.policy
+        while not self.stopping:
+            if self.options.steps and self.trainer.version >= self.options.steps:
+                return
+            ready = (
+                self.state() == "online"
+                and policy.may_inject(self.inflight)
+                and (self.is_tail or self.router.choose(1) is not None)
+            )
+            if not ready:
+                self.wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), 0.25)
+                continue
+            mb = self._new_mb()
+            ids = next(self.batches)
+            self.inflight += 1
+            policy.injected()
+            self.pending.add(mb)
+            fut = self.worker.submit("fwd", self.trainer.compute_head, ids)
+            self.tasks.spawn(self._after_head(fut, mb, ids))
+
+    async def _after_head(self, fut: asyncio.Future, mb: int, ids_cpu: torch.Tensor) -> None:
+        try:
+            code, ids, w, version = await fut
+        except Exception as e:  # noqa: BLE001
+            log.error("head forward failed: %r", e)
+            self.pending.discard(mb)
+            self.inflight = max(0, self.inflight - 1)
+            self.wake.set()
+            return
+        self.pending.discard(mb)
+        ctx = Context(mb, (self.peer_id,), None, ids, ids_cpu.to(torch.int32), w, version)
+        if self.is_tail:
+            self._finish(ctx, "done")
+            return
+        self.contexts[mb] = ctx
+        self.metrics.inflight.set(len(self.contexts))
+        await self._forward(ctx, code)
