@@ -1,0 +1,20 @@
+"""swarm-node's daemon: the only package with I/O. ``daemon.py`` wires one node; the rooms are
+``net/`` (networking), ``runtime/`` (the stage runtime) and ``ops/`` (operations). It may use
+``protocol``, ``security`` and ``stages`` through their public faces; they never use it."""
+
+import importlib
+
+
+def lazy_face(package: str, exports: dict[str, str], namespace: dict):
+    """A module ``__getattr__`` for the public face of ``package``: each exported name is imported
+    from its module (``exports``: name -> module) on first use and kept in ``namespace``, so
+    importing the face loads nothing heavy until a name that needs it is used."""
+
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = namespace[name] = getattr(importlib.import_module(module), name)
+        return value
+
+    return __getattr__

@@ -31,8 +31,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from node.ops import CliError
 from node.ops import config as node_config
-from node.ops.cli import CliError
 
 log = logging.getLogger("swarm_node.daemon")
 
@@ -103,20 +103,29 @@ def _announce_line(text: str) -> None:
 def run_node(cfg: node_config.NodeConfig) -> int:
     import torch
 
-    from node.ops.checkpoint import CheckpointError, load_latest_checkpoint
-    from node.net.identity import anonymous_identity_in_use, check_identity
-    from node.net.membership import (
+    from node.net import (
         BootstrapError,
         IdentityInUse,
         ManifestMismatch,
         Membership,
+        anonymous_identity_in_use,
+        check_identity,
         choose_stage,
         start_dht,
         stop_dht,
     )
-    from node.ops.metrics import MetricsServer, NodeMetrics, PortInUse
-    from node.ops.resources import available_device_bytes, estimate_stage_memory, fmt_bytes, resolve_device
-    from stages.manifest import ManifestError, load_manifest, manifest_hash
+    from node.ops import (
+        CheckpointError,
+        MetricsServer,
+        NodeMetrics,
+        PortInUse,
+        available_device_bytes,
+        estimate_stage_memory,
+        fmt_bytes,
+        load_latest_checkpoint,
+        resolve_device,
+    )
+    from stages import ManifestError, load_manifest, manifest_hash
 
     t_start = time.monotonic()
     try:
@@ -126,7 +135,7 @@ def run_node(cfg: node_config.NodeConfig) -> int:
     if cfg.stage != "auto" and int(cfg.stage) >= manifest.n_stages:
         raise CliError(f"--stage {cfg.stage}: the manifest has {manifest.n_stages} stages (0..{manifest.n_stages - 1})")
     if cfg.attack:
-        from security.attacks import AttackNotAllowed, check_attack_allowed
+        from security import AttackNotAllowed, check_attack_allowed
 
         try:
             check_attack_allowed(cfg.attack, manifest.sentinel.allow_attacks, cfg.allow_attacks)
@@ -161,7 +170,7 @@ def run_node(cfg: node_config.NodeConfig) -> int:
     dht = None
     try:
         if cfg.identity and cfg.initial_peers:
-            from node.net.membership import p2p_options
+            from node.net import p2p_options
 
             in_use = asyncio.run(anonymous_identity_in_use(
                 cfg.identity, cfg.initial_peers, timeout=5.0,
@@ -276,10 +285,9 @@ class Node:
         The runtime itself is built in ``serve`` once the transport exists."""
         import torch
 
-        from node.net.routing import Router
+        from node.net import Router
         from node.runtime import new_microbatch_rng
-        from stages.model import build_stage
-        from stages.optim import build_optimizer
+        from stages import build_optimizer, build_stage
 
         m, index = self.m, self.index
         self.stage = build_stage(m, index, device=self.device)
@@ -329,7 +337,7 @@ class Node:
         return rt
 
     def _batches(self):
-        from stages.data import Batches, DataError, load_corpus
+        from stages import Batches, DataError, load_corpus
 
         try:
             corpus = load_corpus(self.m.data)
@@ -343,7 +351,7 @@ class Node:
                        shard=shard, num_shards=self.cfg.num_shards)
 
     def _averager(self, stage, optimizer):
-        from node.net.averaging import ReplicaAverager, averaging_prefix
+        from node.net import ReplicaAverager, averaging_prefix
 
         a = self.m.asyncmesh
         try:
@@ -366,7 +374,7 @@ class Node:
         self._ckpt_pool.submit(self._save, step, tensors, meta)
 
     def _save(self, step: int, tensors: dict, meta: dict) -> None:
-        from node.ops.checkpoint import CheckpointError, save_checkpoint
+        from node.ops import CheckpointError, save_checkpoint
 
         try:
             path = save_checkpoint(self.cfg.checkpoint_dir, step, tensors, meta)
@@ -380,11 +388,9 @@ class Node:
     # ---- the event loop
 
     async def serve(self) -> int:
-        from node.net.membership import PeerRecord
-        from node.net.p2p import Transport
-        from node.net.state_sync import StateSyncError, join_from_replicas
+        from node.net import PeerRecord, StateSyncError, Transport, join_from_replicas
         from node.runtime import max_batch_for
-        from protocol.frames import Limits
+        from protocol import Limits
 
         cfg = self.cfg
         loop = asyncio.get_running_loop()
@@ -502,7 +508,7 @@ class Node:
 
     async def _shutdown(self, bg) -> int:
         """Drain, checkpoint, announce offline, stop serving. Bounded by --drain-timeout (+ a few s)."""
-        from node.net.membership import PeerRecord
+        from node.net import PeerRecord
         from node.runtime import cancel_all
 
         rt, cfg = self.runtime, self.cfg
@@ -545,7 +551,7 @@ class Node:
 
     def _force_exit(self) -> None:
         """Watchdog (a thread): the orderly shutdown is stuck; stop the DHT and p2pd, and exit."""
-        from node.net.membership import stop_dht
+        from node.net import stop_dht
 
         log.error("shutdown did not finish within %.0f s: forcing exit", self.cfg.drain_timeout + 30.0)
         try:
@@ -558,7 +564,7 @@ def make_attacks(name: str, seed: int = 0, **params) -> dict:
     """``--attack NAME`` (testing the verifier only): one attack instance per direction, ``act``
     for what we send forward and ``grad`` for what we send back, so a stateful attack (``delayed``)
     keeps a history of each and never replays an activation as a gradient."""
-    from security.attacks import make_attack
+    from security import make_attack
 
     return {d: make_attack(name, seed=2 * seed + i, **params) for i, d in enumerate(("act", "grad"))}
 
@@ -567,13 +573,13 @@ def make_verifier(manifest, index: int):
     """The verifier every accepted tensor passes: SENTINEL when the manifest enables it, else the
     basic dtype/shape/finite checks (``security.verifier``)."""
     from node.runtime import max_batch_for
-    from security.verifier import make_verifier as build
+    from security import make_verifier as build
 
     return build(manifest.sentinel, k=manifest.k, seq_len=manifest.model.seq_len,
                  max_batch=max_batch_for(manifest), seed=manifest.run.seed + index)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from node.ops.cli import main as cli_main
+    from node.ops import main as cli_main
 
     sys.exit(cli_main(["run", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Benchmark: AsyncMesh (papers.md §2) — stale pipeline gradients with and without look-ahead,
+"""Benchmark: AsyncMesh (docs/REFERENCES.md §2) — stale pipeline gradients with and without look-ahead,
 sparse replica averaging with and without the staleness correction, pipeline utilisation.
 
 Loss runs are in one process on the bundled corpus (stages.data) with the real stages
@@ -55,8 +55,8 @@ import copy
 import functools
 import heapq
 import json
-import statistics
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,18 +65,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from stages.asyncmesh import (  # noqa: E402
+from stages import (  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402
+    Batches,
     LookaheadForward,
+    ManifestError,
     PartitionSchedule,
     StalenessCorrection,
     apply_average_delta,
+    build_model,
+    build_optimizer,
+    build_stage,
+    count_parameters,
+    even_layout,
     first_moments,
+    lm_loss,
+    load_corpus,
+    load_manifest,
+    lr_at,
+    set_lr,
     snapshot,
+    val_batches,
 )
-from stages.data import Batches, load_corpus, val_batches  # noqa: E402
-from stages.manifest import ManifestError, even_layout, load_manifest  # noqa: E402
-from stages.model import build_model, build_stage, count_parameters, lm_loss  # noqa: E402
-from stages.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 
 
 def progress(msg: str) -> None:
@@ -93,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch / step")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (= microbatches) per run")
-    p.add_argument("--optim", default="nadam", help="pipeline optimizer (papers.md §2: NAdam β1 0.99)")
+    p.add_argument("--optim", default="nadam", help="pipeline optimizer (docs/REFERENCES.md §2: NAdam β1 0.99)")
     p.add_argument("--beta1", type=float, default=0.99)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -449,7 +458,7 @@ def manifest_toml(m) -> str:
 def _busy_seconds(metrics: dict) -> float:
     """The compute worker's busy seconds (``swarm_node_compute_busy_seconds_total``; older nodes:
     the sum of the per-microbatch compute-time histogram)."""
-    from node.ops.local_swarm import metric_sum
+    from node.ops import metric_sum
 
     key = "swarm_node_compute_busy_seconds_total"
     if any(k.split("{")[0] == key for k in metrics):
@@ -464,7 +473,7 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5, max
     stage over the window (``swarm_node_staleness_steps``), to check it against the loss runs'."""
     import tempfile
 
-    from node.ops.local_swarm import LocalSwarm, metric_sum
+    from node.ops import LocalSwarm, metric_sum
 
     train = {"steps": 1_000_000, **({"max_inflight": max_inflight} if max_inflight else {})}
     mm = m.replace(asyncmesh={"mode": mode}, train=train, schedule={"total_steps": 1_000_000},
@@ -746,7 +755,7 @@ def main(argv=None) -> int:
             out["utilisation"] = simulated
         if args.manifest_optim:
             # the same pipeline runs with the optimizer the shipped manifest trains with
-            # (runs/default.toml: AdamW (0.9, 0.95)) instead of papers.md §2's NAdam (0.99, 0.999)
+            # (runs/default.toml: AdamW (0.9, 0.95)) instead of docs/REFERENCES.md §2's NAdam (0.99, 0.999)
             mo = load_manifest(args.manifest).optim
             mo_args = argparse.Namespace(**{**vars(args), "optim": mo.name, "beta1": mo.betas[0],
                                             "beta2": mo.betas[1], "lr": mo.lr})

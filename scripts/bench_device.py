@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_manifest(args):
-    from stages.manifest import even_layout, load_manifest
+    from stages import even_layout, load_manifest
 
     m = load_manifest("test" if args.quick else args.manifest)
     model = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers),
@@ -99,7 +99,7 @@ def sync(device: torch.device) -> None:
 
 
 def reference_run(m, device: torch.device, steps: int, corpus) -> dict:
-    from node.ops.train_local import train
+    from node.ops import train
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -122,14 +122,11 @@ def reference_run(m, device: torch.device, steps: int, corpus) -> dict:
 
 async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
     from node.daemon import make_verifier
-    from node.ops.local_swarm import metric_sum, parse_metrics
-    from tests.helpers.memnet import MemTransport, Net
-    from node.ops.metrics import NodeMetrics
-    from node.net.routing import Router
+    from node.net import Router
+    from node.ops import NodeMetrics, metric_sum, parse_metrics
     from node.runtime import RuntimeOptions, StageRuntime
-    from stages.data import Batches
-    from stages.model import build_stage
-    from stages.optim import build_optimizer
+    from stages import Batches, build_optimizer, build_stage
+    from tests.helpers.memnet import MemTransport, Net
 
     torch.manual_seed(m.run.seed)
     net = Net()
@@ -205,7 +202,7 @@ def pipeline_run(m, device: torch.device, seconds: float, corpus) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from stages.data import load_corpus
+    from stages import load_corpus
 
     if args.threads:
         torch.set_num_threads(args.threads)

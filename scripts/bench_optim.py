@@ -11,7 +11,7 @@ Prints ONE JSON object:
   increase in validation loss, per optimizer and fraction. ``trunc_by_kind``: the same with only
   one kind of matrix truncated (``qkv_proj``, ``out_proj``, ...). ``weight_tail_energy``: the mean
   share of a hidden matrix's squared Frobenius norm that the truncation removes (no loss in it,
-  so far less noisy than the loss increase). ``targets``: issue #8's two optimizer targets,
+  so far less noisy than the loss increase). ``targets``: the two optimizer targets (docs/TRAINING.md),
   judged on the means, and on how many seeds NuMuon's increase is below the other's at both
   fractions.
 - ``warmup``: architecture warm-up (stages/warmup.py, ``default_warmup_schedule``: layers 0, k,
@@ -60,12 +60,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from stages.data import Batches, load_corpus, val_batches  # noqa: E402
-from stages.manifest import load_manifest  # noqa: E402
-from stages.model import build_model, lm_loss  # noqa: E402
-from stages.optim import build_optimizer, hidden_matrix_names, lr_at, set_lr  # noqa: E402
-from stages.sharpness import SharpnessTracker, eos_bound  # noqa: E402
-from stages.warmup import ArchWarmup, default_warmup_schedule  # noqa: E402
+from stages import (  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402
+    ArchWarmup,
+    Batches,
+    SharpnessTracker,
+    build_model,
+    build_optimizer,
+    default_warmup_schedule,
+    eos_bound,
+    hidden_matrix_names,
+    lm_loss,
+    load_corpus,
+    load_manifest,  # noqa: E402
+    lr_at,
+    set_lr,
+    val_batches,
+)
 
 SPIKE_RULE = ("from step 5 on, a spike event starts at a step whose training loss exceeds 1.2x the "
               "median of the previous (up to) 10 steps and that median by >= 0.3 nats; it ends when "
@@ -77,7 +87,7 @@ STALL_RULE = (f"a run stalled if it did not diverge and its final validation los
               f"split with add-one smoothing, on the same validation batches) by at least {STALL_MARGIN} nats")
 
 
-TRUNC_FRACS = (0.25, 0.5)  # rank fractions of the truncation test (issue #8)
+TRUNC_FRACS = (0.25, 0.5)  # rank fractions of the truncation test
 
 DEVICE = torch.device("cpu")  # --device: where every run trains (bf16 autocast on CUDA)
 

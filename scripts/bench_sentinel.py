@@ -50,8 +50,8 @@ import collections
 import json
 import math
 import shlex
-import statistics
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,13 +60,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from security.attacks import ATTACKS, make_attack  # noqa: E402
-from security.bans import BanList, ban_weight  # noqa: E402
-from security.verifier import BasicVerifier, SentinelVerifier  # noqa: E402
-from stages.data import Batches, load_corpus, val_batches  # noqa: E402
-from stages.manifest import load_manifest  # noqa: E402
-from stages.model import build_stage, lm_loss  # noqa: E402
-from stages.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from security import ATTACKS, BanList, BasicVerifier, SentinelVerifier, ban_weight, make_attack  # noqa: E402  # noqa: E402  # noqa: E402
+from stages import (  # noqa: E402  # noqa: E402  # noqa: E402
+    Batches,
+    build_optimizer,
+    build_stage,
+    lm_loss,
+    load_corpus,
+    load_manifest,  # noqa: E402
+    lr_at,
+    set_lr,
+    val_batches,
+)
 
 VARIANTS = {  # extra attack settings reported beside the defaults
     "delayed(noise=0.01)": ("delayed", {"noise": 0.01}),
@@ -526,7 +531,7 @@ def clean_summary(metrics: dict[str, dict[str, float]]) -> dict:
     """False positives of a swarm whose every peer is honest, from each node's /metrics:
     per node the tensors judged, rejected (by distance) and peers banned; over all nodes the
     rejected share (``fpr``) and the bans (every one a false ban)."""
-    from node.ops.local_swarm import metric_sum
+    from node.ops import metric_sum
 
     per_node, judged, rejected, bans = {}, 0.0, 0.0, 0.0
     for name, mt in metrics.items():
@@ -552,7 +557,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     every rejection is a false positive and every ban a false ban."""
     import tempfile
 
-    from node.ops.local_swarm import LocalSwarm, write_manifest
+    from node.ops import LocalSwarm, write_manifest
 
     m = load_manifest(args.real_manifest)
     if horizon:

@@ -39,11 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from stages.data import Batches, load_corpus, val_batches  # noqa: E402
-from stages.manifest import load_manifest  # noqa: E402
-from stages.model import Stage, Transformer, build_model, lm_loss, split_model  # noqa: E402
-from stages.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from stages.subspace import SubspaceCodec, wire_bytes_per_token  # noqa: E402
+from stages import (  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402
+    Batches,
+    Stage,
+    SubspaceCodec,
+    Transformer,
+    build_model,
+    build_optimizer,
+    lm_loss,
+    load_corpus,
+    load_manifest,  # noqa: E402
+    lr_at,
+    set_lr,
+    split_model,
+    val_batches,
+    wire_bytes_per_token,
+)
 
 WIRE_BYTES = 2  # bf16 on the wire, both variants
 
@@ -178,7 +189,7 @@ def codec_exactness(m, stages: list[Stage], val: list[torch.Tensor], device) -> 
 
 
 def _rope(model: Transformer, ids):
-    from stages.model import rope_tables
+    from stages import rope_tables
 
     return rope_tables(ids.shape[1], model.head_dim, model.rope_theta, ids.device)
 

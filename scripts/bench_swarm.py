@@ -50,7 +50,7 @@ def pick_local_threads(manifest, probe_steps: int = 3) -> tuple[int, dict]:
     many times slower than one)."""
     import torch
 
-    from node.ops.train_local import train
+    from node.ops import train
 
     cores = os.cpu_count() or 1
     timings = {}
@@ -63,7 +63,7 @@ def pick_local_threads(manifest, probe_steps: int = 3) -> tuple[int, dict]:
 
 
 def run_local(manifest, steps: int) -> dict:
-    from node.ops.train_local import train
+    from node.ops import train
 
     res = train(manifest, steps=steps, device="cpu", quiet=True)
     return {"tokens_per_s": res["tokens_per_s"], "loss_start": res["loss_start"], "loss_end": res["loss_end"],
@@ -72,7 +72,7 @@ def run_local(manifest, steps: int) -> dict:
 
 def run_swarm(manifest_arg: str, manifest, steps: int, torch_threads: int, workdir: Path, timeout: float,
               stall_timeout: float = 180.0) -> dict:
-    from node.ops.local_swarm import LocalSwarm, metric_sum
+    from node.ops import LocalSwarm, metric_sum
 
     logs = [workdir / f"steps{i}.jsonl" for i in range(manifest.n_stages)]
     sw = LocalSwarm(manifest_arg, workdir=workdir / "swarm", torch_threads=torch_threads)
@@ -147,7 +147,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_term)
 
 
-    from stages.manifest import load_manifest
+    from stages import load_manifest
 
     manifest_arg = args.manifest or ("test" if args.quick else "default")
     steps = args.steps or 60
@@ -156,7 +156,7 @@ def main() -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.no_sentinel:
-        from node.ops.local_swarm import write_manifest
+        from node.ops import write_manifest
 
         m = m.replace(sentinel={"enabled": False})
         manifest_arg = str(write_manifest(m, workdir / "manifest-basic-verifier.toml"))

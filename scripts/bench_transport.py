@@ -53,9 +53,8 @@ async def serve() -> None:
     from hivemind.proto import runtime_pb2
     from hivemind.utils.streaming import combine_from_streaming
 
-    from node.net.p2p import FWD, Transport
-    from protocol.frames import Limits
-    from protocol.messages import Expect, make_ack, validate_fwd
+    from node.net import Transport
+    from protocol import FWD, Expect, Limits, make_ack, validate_fwd
 
     torch.set_num_threads(1)  # 2 shared cores: OpenMP threads would fight the daemons for them
     expect = Expect.fwd(RUN, MANIFEST, 1, K, max_batch=MAX_B, max_seq=L)
@@ -150,8 +149,7 @@ class Client:
         self.check_us: list[int] = []
 
     async def ours(self, c, ids, mb: int) -> None:
-        from node.net.p2p import FWD
-        from protocol.messages import make_fwd, parse_reply
+        from protocol import FWD, make_fwd, parse_reply
 
         frame = make_fwd(RUN, MANIFEST, mb, 0, 0, [self.t.peer_id], c, ids, sent_ms=0)
         reply = parse_reply(await self.t.request(self.peer, FWD, frame, timeout=120))
@@ -161,7 +159,7 @@ class Client:
     async def raw(self, c, ids, mb: int) -> None:
         from hivemind.p2p import PeerID
 
-        from protocol.frames import tensor_bytes
+        from protocol import tensor_bytes
 
         bufs = [tensor_bytes(ids), tensor_bytes(c)]
         n = sum(b.nbytes for b in bufs)
@@ -276,7 +274,7 @@ async def bench(args, server: subprocess.Popen) -> dict:
     import psutil
     import torch
 
-    from node.net.p2p import Transport
+    from node.net import Transport
 
     torch.set_num_threads(1)
     transport = None

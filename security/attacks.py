@@ -1,4 +1,4 @@
-"""Attack models: what a malicious stage does to the tensors it SENDS (papers.md §3).
+"""Attack models: what a malicious stage does to the tensors it SENDS (docs/REFERENCES.md §3).
 
 For testing the verifier only. A node applies one with ``--attack NAME``, which is refused unless
 the run manifest (``sentinel.allow_attacks``) or an explicit ``--allow-attacks`` flag allows it:

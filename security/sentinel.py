@@ -1,6 +1,6 @@
 """SENTINEL: judge each boundary tensor against momentum statistics of the stage's traffic.
 
-papers.md §3. Pure PyTorch, no I/O. A pipeline stage cannot average anything, so it checks what
+docs/REFERENCES.md §3. Pure PyTorch, no I/O. A pipeline stage cannot average anything, so it checks what
 it receives instead: every (B, L, k) activation or activation-gradient is reduced to a few
 statistics that are comparable across batches, compared with an exponential moving average
 (EMA) of the same statistics, and rejected when a distance leaves an adaptive Tukey fence.

@@ -1,0 +1,75 @@
+"""stages/: pure PyTorch — the model and its stage split, the run manifest, the Subspace codec,
+AsyncMesh maths, optimizers, architecture warm-up, sharpness and data. No I/O beyond reading files.
+
+This is what the other packages may use; everything else is internal to stages/."""
+
+from stages.asyncmesh import (  # noqa: F401
+    LookaheadForward, PartitionSchedule, StageWeights, StalenessCorrection, StepClock, StepPolicy,
+    apply_average_delta, first_moments, snapshot,
+)
+from stages.data import (  # noqa: F401
+    Batches, DataError, load_corpus, val_batches,
+)
+from stages.manifest import (  # noqa: F401
+    Manifest, ManifestError, SentinelConfig, consensus_dict, diff_manifests, even_layout, load_manifest,
+    manifest_from_dict, manifest_hash,
+)
+from stages.model import (  # noqa: F401
+    Stage, Transformer, build_model, build_stage, count_parameters, lm_loss, rope_tables, split_model,
+)
+from stages.optim import (  # noqa: F401
+    build_optimizer, hidden_matrix_names, lr_at, set_lr,
+)
+from stages.sharpness import (  # noqa: F401
+    SharpnessTracker, adam_preconditioner, eos_bound,
+)
+from stages.subspace import (  # noqa: F401
+    SubspaceCodec, wire_bytes_per_token,
+)
+from stages.warmup import (  # noqa: F401
+    ArchWarmup, default_warmup_schedule,
+)
+
+__all__ = [
+    "ArchWarmup",
+    "Batches",
+    "DataError",
+    "LookaheadForward",
+    "Manifest",
+    "ManifestError",
+    "PartitionSchedule",
+    "SentinelConfig",
+    "SharpnessTracker",
+    "Stage",
+    "StageWeights",
+    "StalenessCorrection",
+    "StepClock",
+    "StepPolicy",
+    "SubspaceCodec",
+    "Transformer",
+    "adam_preconditioner",
+    "apply_average_delta",
+    "build_model",
+    "build_optimizer",
+    "build_stage",
+    "consensus_dict",
+    "count_parameters",
+    "default_warmup_schedule",
+    "diff_manifests",
+    "eos_bound",
+    "even_layout",
+    "first_moments",
+    "hidden_matrix_names",
+    "lm_loss",
+    "load_corpus",
+    "load_manifest",
+    "lr_at",
+    "manifest_from_dict",
+    "manifest_hash",
+    "rope_tables",
+    "set_lr",
+    "snapshot",
+    "split_model",
+    "val_batches",
+    "wire_bytes_per_token",
+]

@@ -1,4 +1,4 @@
-"""AsyncMesh (papers.md §2): the maths of asynchronous pipeline and data parallelism.
+"""AsyncMesh (docs/REFERENCES.md §2): the maths of asynchronous pipeline and data parallelism.
 
 Pipeline axis. A stage applies each gradient when it arrives, so a microbatch's gradient was
 computed on weights that are τ optimizer steps old. ``DelayTracker`` measures τ and keeps an

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol.frames import PROTOCOL_VERSION
+from protocol import PROTOCOL_VERSION
 
 KNOWN_OPTIMIZERS = ("adamw", "adam", "nadam", "sgd", "muon", "numuon")
 KNOWN_SCHEDULES = ("constant", "cosine", "linear")
@@ -111,7 +111,7 @@ def even_layout(n_layers: int, n_stages: int) -> list[list[int]]:
 
 
 # Betas an optimizer gets when the manifest omits them. NAdam (the default pipeline optimizer,
-# papers.md §2) uses a long first-moment memory, 0.99: under asynchronous stale gradients the
+# docs/REFERENCES.md §2) uses a long first-moment memory, 0.99: under asynchronous stale gradients the
 # momentum averages over the delay; AdamW/Adam keep the short-run LM defaults 0.9, 0.95. The
 # others (sgd, muon, numuon: their aux AdamW groups) keep 0.9, 0.95 as before.
 DEFAULT_BETAS = {"nadam": (0.99, 0.999), "adamw": (0.9, 0.95), "adam": (0.9, 0.95)}
@@ -182,7 +182,7 @@ class AsyncMeshConfig:
     # what the look-ahead extrapolates: the momentum's carried share of the next τ̂ steps, or
     # τ̂ × the current update direction (stages/asyncmesh.py lookahead_params)
     lookahead_target: str = "momentum"
-    # how far ahead: "stage", this stage's own τ̂ (papers.md §2); "pipeline", the largest delay in
+    # how far ahead: "stage", this stage's own τ̂ (docs/REFERENCES.md §2); "pipeline", the largest delay in
     # the pipeline (the head's τ̂, carried in fwd frames), so every stage extrapolates to when the
     # microbatch's last gradient lands (docs/ASYNCMESH.md: helps with AdamW, neutral with NAdam)
     lookahead_horizon: str = "stage"
@@ -211,7 +211,7 @@ class SentinelConfig:
 
 @dataclass(frozen=True)
 class WarmupConfig:
-    """Architecture warm-up (papers.md §5): unlock groups of blocks at given steps."""
+    """Architecture warm-up (docs/REFERENCES.md §5): unlock groups of blocks at given steps."""
 
     enabled: bool = False
     # groups of global layer indices, and the step at which each group unlocks

@@ -4,7 +4,7 @@ Read top to bottom: RMSNorm, RoPE, the residual writers, attention, SwiGLU, the 
 unsplit ``Transformer``, then ``Stage`` (one contiguous range of blocks plus the boundary codec)
 and ``split_model`` / ``build_stage``.
 
-Subspace Networks (papers.md §1). Each block is
+Subspace Networks (docs/REFERENCES.md §1). Each block is
 
     h ← h + rmsnorm(Attn(rmsnorm(h)))
     h ← h + rmsnorm(FFN(rmsnorm(h)))

@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules, chosen by name in the manifest (papers.md §2, §4).
+"""Optimizers and learning-rate schedules, chosen by name in the manifest (docs/REFERENCES.md §2, §4).
 
 ``build_optimizer(manifest, module)`` returns ONE ``torch.optim.Optimizer`` for all parameters of
 ``module`` (one stage or a whole model):

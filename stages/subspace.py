@@ -1,4 +1,4 @@
-"""Subspace Networks (papers.md §1): the exact boundary codec and the constants it is built on.
+"""Subspace Networks (docs/REFERENCES.md §1): the exact boundary codec and the constants it is built on.
 
 Every residual writer of a constrained stage has its column space in span(U), and the token
 embedding is ``T[x] + U·Zemb[x]``, so at every layer ``h = T[x] + U·c`` with ``c`` of width

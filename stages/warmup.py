@@ -1,4 +1,4 @@
-"""Architecture warm-up (papers.md §5): grow depth during training instead of training it all at once.
+"""Architecture warm-up (docs/REFERENCES.md §5): grow depth during training instead of training it all at once.
 
 Preconditioned sharpness grows with depth and loss spikes follow it past the edge of stability,
 so the run starts with only some blocks active and unlocks the others in groups at given steps

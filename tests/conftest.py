@@ -20,13 +20,13 @@ def pytest_asyncio_loop_factories(config, item):
 
 @pytest.fixture(scope="session")
 def test_manifest():
-    from stages.manifest import load_manifest
+    from stages import load_manifest
 
     return load_manifest(ROOT / "runs" / "test.toml")
 
 
 @pytest.fixture(scope="session")
 def default_manifest():
-    from stages.manifest import load_manifest
+    from stages import load_manifest
 
     return load_manifest(ROOT / "runs" / "default.toml")

@@ -12,20 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from stages.asyncmesh import (
-    DelayTracker,
-    LookaheadForward,
-    PartitionSchedule,
-    StalenessCorrection,
-    StepClock,
-    StepPolicy,
-    apply_average_delta,
-    first_moments,
-    lookahead_params,
-    momentum_carry,
-    snapshot,
-    update_direction,
+from stages import (
+    LookaheadForward, PartitionSchedule, StalenessCorrection, StepClock, StepPolicy, apply_average_delta,
+    first_moments, snapshot,
 )
+from stages.asyncmesh import DelayTracker, lookahead_params, momentum_carry, update_direction
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,7 +259,7 @@ def _train_a_bit(stage, opt, steps, x, ids):
 
 
 def test_backward_recomputes_on_bitwise_the_same_weights(test_manifest):
-    from stages.model import build_stage
+    from stages import build_stage
 
     torch.manual_seed(0)
     stage = build_stage(test_manifest, 1)  # a body stage: code in, code out
@@ -322,7 +313,7 @@ def test_backward_recomputes_on_bitwise_the_same_weights(test_manifest):
 
 
 def test_modes_none_and_gpipe(test_manifest):
-    from stages.model import build_stage, lm_loss
+    from stages import build_stage, lm_loss
 
     torch.manual_seed(0)
     tail = build_stage(test_manifest, 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from security.attacks import ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack
+from security import ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack
 
 
 def honest(seed=0, shape=(4, 32, 8)):

@@ -9,25 +9,19 @@ import time
 import pytest
 import torch
 
-from node.net.averaging import ReplicaAverager, averaging_prefix
+from node.net import ReplicaAverager, averaging_prefix
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 P2P_LOCAL = dict(use_relay=False, use_auto_relay=False, auto_nat=False, nat_port_map=False)
 
 
 def _descendants(pid: int) -> set[int]:
+    from node.ops.procs import processes
+
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if fields and fields[0] != b"Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
+    for p in processes():
+        if p.alive:
+            children.setdefault(p.ppid, []).append(p.pid)
     out, todo = set(), [pid]
     while todo:
         for c in children.get(todo.pop(), []):
@@ -229,7 +223,7 @@ def _finished_round(avg, number, result=None, error=None):
     import concurrent.futures
 
     from node.net.averaging import _Round
-    from stages.asyncmesh import snapshot
+    from stages import snapshot
 
     idx = avg.schedule.indices(number)
     rnd = _Round(number, 0, idx, snapshot(avg.params, idx), None, [False] * len(avg.params), 0.0)

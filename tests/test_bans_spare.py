@@ -3,7 +3,7 @@ banned once most of them fail."""
 
 from __future__ import annotations
 
-from security.bans import BanList
+from security import BanList
 
 
 def test_spare_ends_the_ban_but_keeps_the_backoff():
@@ -34,7 +34,7 @@ def test_flag_rate_and_no_overflow_after_many_bans():
 
 
 def test_verdict_score_is_sent_only_for_a_fence_refusal():
-    from security.bans import verdict_score
+    from security import verdict_score
     from security.verifier import Verdict
 
     assert verdict_score(Verdict(False, "sentinel:swd", score=1.094)) == 1.094
@@ -45,7 +45,8 @@ def test_verdict_score_is_sent_only_for_a_fence_refusal():
 
 
 def test_refusal_weight_of_the_typed_score():
-    from security.bans import flag_weight, refusal_weight_of, verdict_score
+    from security import refusal_weight_of, verdict_score
+    from security.bans import flag_weight
     from security.verifier import Verdict
 
     assert refusal_weight_of(None, 0.5) == 1.0  # no score: a rule's refusal or a ban there counts fully

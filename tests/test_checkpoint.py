@@ -11,17 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from node.ops.checkpoint import (
+from node.ops import (
     CheckpointError,
-    checkpoint_path,
     flatten_module,
     flatten_optimizer,
-    list_checkpoints,
     load_latest_checkpoint,
     restore_module,
     restore_optimizer,
     save_checkpoint,
 )
+from node.ops.checkpoint import checkpoint_path, list_checkpoints
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from node.ops.cli import CliError
+from node.ops import CliError
 from node.ops.config import NodeConfig, add_arguments, load_config_file, resolve_config, tcp_ports
 
 

@@ -7,16 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from stages.data import (
-    DOC_SEP,
-    Batches,
-    ByteTokenizer,
-    DataError,
-    build_stdlib_corpus,
-    load_corpus,
-    stdlib_files,
-    val_batches,
-)
+from stages import Batches, DataError, load_corpus, val_batches
+from stages.data import DOC_SEP, ByteTokenizer, build_stdlib_corpus, stdlib_files
 from stages.manifest import DataConfig
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.frames import (
+from protocol import (
     DTYPES,
     MAGIC,
     MAX_HEADER_BYTES,

@@ -11,16 +11,16 @@ import time
 
 import pytest
 
-from node.ops.cli import CliError
+from node.net import check_identity
 from node.net.identity import (
     add_arguments,
-    check_identity,
     identity_in_use,
     main,
     new_ed25519_key,
     peer_id_from_identity,
     peer_id_from_key,
 )
+from node.ops import CliError
 
 
 def keygen(argv: list[str]) -> int:
@@ -96,7 +96,7 @@ def test_peer_id_encoding_matches_the_libp2p_spec():
 @pytest.mark.asyncio
 @pytest.mark.timeout(90)
 async def test_p2pd_uses_the_key_and_identity_in_use_sees_it_online(tmp_path):
-    from node.net.p2p import Transport
+    from node.net import Transport
     from tests.helpers.procs import assert_no_p2pd_left
 
     path = tmp_path / "a.key"

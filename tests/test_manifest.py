@@ -6,15 +6,8 @@ import warnings
 
 import pytest
 
-from stages.manifest import (
-    Manifest,
-    ManifestDeprecationWarning,
-    ManifestError,
-    diff_manifests,
-    load_manifest,
-    manifest_from_dict,
-    manifest_hash,
-)
+from stages import Manifest, ManifestError, diff_manifests, load_manifest, manifest_from_dict, manifest_hash
+from stages.manifest import ManifestDeprecationWarning
 
 
 def test_shipped_manifests_load(default_manifest, test_manifest):
@@ -174,7 +167,7 @@ def test_manifest_protocol_version_is_the_wire_protocol_version():
 
 
 def test_even_layout_splits_layers_over_stages_by_rounding():
-    from stages.manifest import even_layout
+    from stages import even_layout
 
     assert even_layout(6, 3) == [[0, 2], [2, 4], [4, 6]]
     assert even_layout(7, 3) == [[0, 2], [2, 5], [5, 7]]

@@ -11,41 +11,12 @@ import msgpack
 import pytest
 import torch
 
-from protocol import frames
-from protocol.frames import MAGIC, FrameDecoder, ProtocolError, Reason, encode_frame_bytes
-from protocol.messages import (
-    BWD,
-    EXCHANGES,
-    FWD,
-    HEALTH,
-    MAX_DETAIL,
-    MAX_ID_LEN,
-    MAX_ROUTE,
-    OPTIONAL_FIELDS,
-    PROTOCOLS,
-    REQUIRED_FIELDS,
-    SKIP_ONLY_FIELDS,
-    STATE,
-    Expect,
-    Refused,
-    StateAssembler,
-    check_finite,
-    check_request,
-    make_ack,
-    make_bwd,
-    make_fwd,
-    make_health,
-    make_health_request,
-    make_reject,
-    make_reject_for,
-    make_state_chunk,
-    make_state_request,
-    parse_health,
-    parse_reply,
-    state_chunks,
-    validate_bwd,
-    validate_fwd,
-    validate_health_request,
+from protocol import (
+    BWD, EXCHANGES, FWD, HEALTH, MAGIC, MAX_DETAIL, MAX_ID_LEN, MAX_ROUTE, OPTIONAL_FIELDS, PROTOCOLS,
+    REQUIRED_FIELDS, SKIP_ONLY_FIELDS, STATE, Expect, FrameDecoder, ProtocolError, Reason, Refused,
+    StateAssembler, check_finite, check_request, encode_frame_bytes, frames, make_ack, make_bwd, make_fwd,
+    make_health, make_health_request, make_reject, make_reject_for, make_state_chunk, make_state_request,
+    parse_health, parse_reply, state_chunks, validate_bwd, validate_fwd, validate_health_request,
     validate_state_request,
 )
 

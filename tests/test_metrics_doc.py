@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from node.ops.metrics import NodeMetrics
+from node.ops import NodeMetrics
 
 from .conftest import ROOT
 

@@ -8,17 +8,9 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from stages.model import (
-    Block,
-    Stage,
-    Transformer,
-    build_model,
-    build_stage,
-    is_constrained_layer,
-    lm_loss,
-    split_model,
-)
-from stages.subspace import DenseCodec, SubspaceCodec
+from stages import Stage, SubspaceCodec, Transformer, build_model, build_stage, lm_loss, split_model
+from stages.model import Block, is_constrained_layer
+from stages.subspace import DenseCodec
 
 
 def _ids(m, batch=2, seed=0):
@@ -276,7 +268,7 @@ def test_bf16_autocast_stage_chain_matches_float32_loosely(test_manifest):
 def test_block_norm_placement(test_manifest):
     """``model.block_norm``: "peri" (default) is h + rmsnorm(f(rmsnorm(h))) per branch, "pre" is
     the standard pre-norm h + f(rmsnorm(h)); same parameters, same initialisation."""
-    from stages.manifest import ManifestError
+    from stages import ManifestError
     from stages.model import rmsnorm
 
     m = test_manifest

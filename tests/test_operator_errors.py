@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from node.ops.local_swarm import LocalSwarm, free_port, p2pd_pids_of
+from node.ops import LocalSwarm
+from node.ops.local_swarm import free_port, p2pd_pids_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -52,8 +53,8 @@ def outcomes(tmp_path_factory):
         other.write_text(text.replace("seq_len = 32", "seq_len = 16").replace('lr = 3e-3', 'lr = 1e-2')
                          .replace("max_inflight = 2", "max_inflight = 3"))
         # a stage far bigger than this machine's memory (first node of its own swarm: no peers)
-        from node.ops.local_swarm import write_manifest
-        from stages.manifest import load_manifest
+        from node.ops import write_manifest
+        from stages import load_manifest
 
         huge = write_manifest(load_manifest("test").replace(model={"d_model": 16384, "n_heads": 16}),
                               tmp / "huge.toml")

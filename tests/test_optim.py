@@ -13,21 +13,24 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages import asyncmesh
-from stages.manifest import load_manifest
-from stages.model import build_model, lm_loss
+from stages import (
+    asyncmesh,
+    build_model,
+    build_optimizer,
+    hidden_matrix_names,
+    lm_loss,
+    load_manifest,
+    lr_at,
+    set_lr,
+)
 from stages.optim import (
     Muon,
     NuMuon,
-    build_optimizer,
     expected_step,
-    hidden_matrix_names,
     load_optimizer_state_tensors,
-    lr_at,
     newton_schulz,
     optimizer_state_tensors,
     rank_fraction,
-    set_lr,
     topk_svd,
     update_direction,
 )
@@ -449,7 +452,7 @@ def test_bench_truncated_loss_puts_the_weights_back():
     b = _bench_optim()
     args = b.build_parser().parse_args(["--d-model", "32", "--layers", "3", "--k", "4", "--seq-len", "16"])
     m = b.base_manifest(args)
-    from stages.model import build_model
+    from stages import build_model
 
     model = build_model(m)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

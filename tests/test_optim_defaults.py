@@ -1,17 +1,11 @@
-"""Optimizer defaults: an omitted optim.name is NAdam (papers.md §2), omitted betas follow the optimizer."""
+"""Optimizer defaults: an omitted optim.name is NAdam (docs/REFERENCES.md §2), omitted betas follow the optimizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from stages.manifest import (
-    Manifest,
-    ManifestError,
-    default_betas,
-    load_manifest,
-    manifest_hash,
-    shipped_manifest_path,
-)
+from stages import Manifest, ManifestError, load_manifest, manifest_hash
+from stages.manifest import default_betas, shipped_manifest_path
 
 
 def _load(tmp_path, optim_lines: str):

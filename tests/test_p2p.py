@@ -13,11 +13,17 @@ import pytest
 import pytest_asyncio
 import torch
 
-from node.net.p2p import BWD, FWD, HEALTH, STATE, PeerBusy, PeerRejected, PeerUnreachable, Transport
-from tests.helpers.procs import assert_no_p2pd_left, p2pd_descendants
-from protocol.frames import FrameDecoder, Limits, ProtocolError, Reason
-from protocol.messages import (
+from node.net import PeerBusy, PeerRejected, PeerUnreachable, Transport
+from protocol import (
+    BWD,
+    FWD,
+    HEALTH,
+    STATE,
     Expect,
+    FrameDecoder,
+    Limits,
+    ProtocolError,
+    Reason,
     make_ack,
     make_bwd,
     make_fwd,
@@ -30,6 +36,7 @@ from protocol.messages import (
     validate_fwd,
     validate_state_request,
 )
+from tests.helpers.procs import assert_no_p2pd_left, p2pd_descendants
 
 RUN, MANIFEST, K = "swarm-test", "m" * 16, 8
 
@@ -368,17 +375,17 @@ async def test_frames_are_received_straight_into_their_body_without_reading_past
     body buffer (BufferedProtocol), and the next frame's bytes are left for the next read."""
     import socket
 
-    import node.net.p2p as p2p
-    from protocol.frames import encode_frame_bytes
+    import node.net.streams as streams
+    from protocol import encode_frame_bytes
 
     direct = []
-    original = p2p._BodyReceiver.buffer_updated
+    original = streams._BodyReceiver.buffer_updated
 
     def counting(self, nbytes):
         direct.append(nbytes)
         return original(self, nbytes)
 
-    monkeypatch.setattr(p2p._BodyReceiver, "buffer_updated", counting)
+    monkeypatch.setattr(streams._BodyReceiver, "buffer_updated", counting)
     x, y = torch.randn(300, 1000), torch.arange(70000)
     data = encode_frame_bytes({"type": "fwd", "mb": 1}, [("x", x)]) + encode_frame_bytes(
         {"type": "bwd", "mb": 2}, [("y", y)]) + encode_frame_bytes({"type": "ack", "mb": 3})

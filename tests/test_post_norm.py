@@ -8,11 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.manifest import ManifestError, load_manifest
-from stages.model import build_model, lm_loss, rmsnorm, rope_tables
-from stages.optim import build_optimizer
+from stages import (
+    ArchWarmup,
+    ManifestError,
+    build_model,
+    build_optimizer,
+    lm_loss,
+    load_manifest,
+    rope_tables,
+)
+from stages.model import rmsnorm
 from stages.subspace import DenseCodec
-from stages.warmup import ArchWarmup
 from tests.helpers.warmup import trained_then_unlocked, warmup_ids, warmup_step
 
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from node.net.p2p import FWD, HEALTH, Transport
-from protocol.messages import Expect, make_ack, make_health, validate_fwd, validate_health_request
+from node.net import Transport
+from protocol import FWD, HEALTH, Expect, make_ack, make_health, validate_fwd, validate_health_request
 
 RUN, MANIFEST = "swarm-test", "f" * 64
 

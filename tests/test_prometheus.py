@@ -19,7 +19,8 @@ import urllib.request
 
 import pytest
 
-from node.ops.local_swarm import LocalSwarm, free_port
+from node.ops import LocalSwarm
+from node.ops.local_swarm import free_port
 
 from .test_docker_files import alert_exprs, dashboard_exprs
 

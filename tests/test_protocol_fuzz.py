@@ -16,27 +16,11 @@ import msgpack
 import pytest
 import torch
 
-from protocol.frames import MAGIC, FrameDecoder, Limits, ProtocolError, Reason, encode_frame_bytes
-from protocol.messages import (
-    OPTIONAL_FIELDS,
-    REQUIRED_FIELDS,
-    Expect,
-    StateAssembler,
-    make_ack,
-    make_bwd,
-    make_fwd,
-    make_health,
-    make_health_request,
-    make_reject,
-    make_state_chunk,
-    make_state_request,
-    parse_health,
-    parse_reply,
-    state_chunks,
-    validate_bwd,
-    validate_fwd,
-    validate_health_request,
-    validate_state_request,
+from protocol import (
+    MAGIC, OPTIONAL_FIELDS, REQUIRED_FIELDS, Expect, FrameDecoder, Limits, ProtocolError, Reason,
+    StateAssembler, encode_frame_bytes, make_ack, make_bwd, make_fwd, make_health, make_health_request,
+    make_reject, make_state_chunk, make_state_request, parse_health, parse_reply, state_chunks, validate_bwd,
+    validate_fwd, validate_health_request, validate_state_request,
 )
 
 RUN, HASH, K, B, L = "fuzz-run", "ab" * 32, 8, 2, 16

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import re
 import time
+
 import pytest
 
+from node.ops import LocalSwarm
 from node.ops.checkpoint import list_checkpoints
-from node.ops.local_swarm import LocalSwarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def test_killed_node_resumes_from_its_checkpoint_with_the_same_identity(tmp_path):
     from node.net.identity import write_identity
-
-    from node.ops.local_swarm import write_manifest
-    from stages.manifest import load_manifest
+    from node.ops import write_manifest
+    from stages import load_manifest
 
     # two stages; the basic verifier instead of SENTINEL (see tests/test_swarm_e2e.py)
     manifest = write_manifest(load_manifest("test").replace(stages={"layout": [[0, 2], [2, 3]]},

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from node.net.routing import CapacityMeter, Router, announced_rate
+from node.net import CapacityMeter, Router
+from node.net.routing import announced_rate
 
 
 @dataclass
@@ -138,7 +139,7 @@ def test_stage_change_resets_local_load():
 
 
 def test_choose_stage_picks_least_served():
-    from node.net.membership import PeerRecord, choose_stage
+    from node.net import PeerRecord, choose_stage
 
     recs = [PeerRecord("a", 0, "online", throughput=500), PeerRecord("b", 1, "online", throughput=200),
             PeerRecord("c", 2, "online", throughput=300)]
@@ -152,7 +153,7 @@ def test_choose_stage_picks_least_served():
 
 
 def test_choose_stage_weighs_capacity_not_throughput():
-    from node.net.membership import PeerRecord, choose_stage
+    from node.net import PeerRecord, choose_stage
 
     # a running pipeline: every stage trains the same tokens/s, so throughput cannot tell where
     # compute is short; capacity (tokens per busy second) can. An older peer without capacity
@@ -166,7 +167,7 @@ def test_choose_stage_weighs_capacity_not_throughput():
 
 
 def test_peer_records_reject_malformed_values():
-    from node.net.membership import PeerRecord
+    from node.net import PeerRecord
 
     good = PeerRecord("p", 1, "online", throughput=3.0, queue=2, version=9, maddrs=["/ip4/1.2.3.4/tcp/1"])
     assert PeerRecord.from_value(good.to_value()).version == 9

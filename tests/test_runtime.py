@@ -16,23 +16,14 @@ import time
 import pytest
 import torch
 
+from node.net import PeerBusy, PeerRejected
+from node.runtime import ComputeWorker, QueueFull
+from protocol import BWD, FWD, Reason, make_fwd
 from tests.helpers.memnet import MemTransport, Net, buffers_of, frame_of
 from tests.helpers.runtime import (
-    Rec,
-    RecordingVerifier,
-    head_batches,
-    link,
-    make_runtime,
-    start_all,
-    stop_all,
-    train_until,
-    value,
+    Rec, RecordingVerifier, head_batches, link, make_runtime, start_all, stop_all, train_until, value,
     wait_for,
 )
-from node.net.p2p import BWD, FWD, PeerBusy, PeerRejected
-from node.runtime import ComputeWorker, QueueFull
-from protocol.frames import Reason
-from protocol.messages import make_fwd
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,7 +132,7 @@ async def test_context_ttl_frees_memory_and_skips_upstream(test_manifest):
     acks = []
 
     async def swallow(frame, peer):
-        from protocol.messages import make_ack
+        from protocol import make_ack
 
         acks.append(frame.header["mb"])
         return make_ack(frame.header["mb"], 2, 0)
@@ -302,7 +293,7 @@ def moved_replica(m, net, peer, version):
 
 @pytest.mark.asyncio
 async def test_joiner_downloads_the_exact_weights(test_manifest):
-    from node.net.state_sync import join_from_replicas
+    from node.net import join_from_replicas
 
     m = test_manifest
     net = Net()
@@ -415,7 +406,7 @@ async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, ho
 
 
 def test_checkpoint_state_round_trip(test_manifest, tmp_path):
-    from node.ops.checkpoint import load_latest_checkpoint, save_checkpoint
+    from node.ops import load_latest_checkpoint, save_checkpoint
 
     m = test_manifest
     net = Net()
@@ -480,7 +471,7 @@ async def test_handlers_refuse_what_a_stage_cannot_take(test_manifest):
             await peer.request("head", FWD, make_fwd(m.run.id, head.mhash, 1, 0, 0, ["x"], c, ids), timeout=2)
         # the head takes no fwd at all: its fwd limit admits no body, so it refuses before reading one
         assert e.value.reason == "too-large"
-        from protocol.messages import make_bwd
+        from protocol import make_bwd
 
         with pytest.raises(PeerRejected) as e:
             await peer.request("tail", BWD, make_bwd(m.run.id, tail.mhash, 1, 3, 0, ["a", "b", "tail", "x"], c),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from security.attacks import ATTACKS, make_attack
+from security import ATTACKS, make_attack
 from security.sentinel import (
     DISTANCES,
     Sentinel,

@@ -15,17 +15,9 @@ import pytest
 import torch
 
 from node.runtime import pin_torch_threads
-from security.verifier import SentinelVerifier
+from security import SentinelVerifier
 from tests.helpers.runtime import (
-    Net,
-    RecordingVerifier,
-    head_batches,
-    link,
-    make_runtime,
-    start_all,
-    stop_all,
-    value,
-    wait_for,
+    Net, RecordingVerifier, head_batches, link, make_runtime, start_all, stop_all, value, wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -178,7 +170,7 @@ def test_marginal_refusals_in_a_row_do_not_ban_but_clear_ones_do(test_manifest):
     barely-over-the-fence refusals (an honest replica whose statistics drift) weighs 0.25 each
     and bans no one, while clear refusals, rule rejections (no score) and refusals for a ban at
     the next stage count fully."""
-    from security.bans import verdict_score
+    from security import verdict_score
     from security.verifier import Verdict
 
     net = Net()
@@ -237,7 +229,7 @@ def test_the_verifier_thread_has_its_own_torch_thread_count():
 
 
 def test_a_refusal_weighs_by_the_score_it_carries():
-    from security.bans import refusal_weight_of, verdict_score
+    from security import refusal_weight_of, verdict_score
     from security.verifier import Verdict
 
     assert verdict_score(Verdict(False, "nan")) is None  # a rule's rejection carries no score

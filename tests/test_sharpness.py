@@ -7,10 +7,15 @@ import math
 import pytest
 import torch
 
-from stages.manifest import load_manifest
-from stages.model import build_model, lm_loss
-from stages.optim import build_optimizer
-from stages.sharpness import SharpnessTracker, adam_preconditioner, eos_bound
+from stages import (
+    SharpnessTracker,
+    adam_preconditioner,
+    build_model,
+    build_optimizer,
+    eos_bound,
+    lm_loss,
+    load_manifest,
+)
 
 
 def _quadratic(n=30, top=10.0, seed=0):

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from node.ops.local_swarm import LocalSwarm, p2pd_pids_of
+from node.ops import LocalSwarm
+from node.ops.local_swarm import p2pd_pids_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

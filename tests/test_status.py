@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from node.ops.metrics import NodeMetrics
+from node.ops import NodeMetrics
 from node.ops.status import format_status, status_from_metrics
 
 

@@ -9,16 +9,15 @@ import sys
 import pytest
 import torch
 
+from stages import SubspaceCodec, wire_bytes_per_token
 from stages.subspace import (
     DenseCodec,
-    SubspaceCodec,
     codec_fingerprint,
     derive_seed,
     id_bytes,
     make_basis,
     make_codec,
     make_token_table,
-    wire_bytes_per_token,
 )
 
 
@@ -60,7 +59,7 @@ def test_derive_seed_separates_purposes():
 
 _CHILD = """
 import sys
-from stages.manifest import load_manifest
+from stages import load_manifest
 from stages.subspace import make_codec, codec_fingerprint
 print(codec_fingerprint(make_codec(load_manifest(sys.argv[1]))))
 """

@@ -11,20 +11,12 @@ import time
 
 import pytest
 
-from node.ops.local_swarm import LocalSwarm, metric_sum, p2pd_pids_of
+from node.ops import LocalSwarm, metric_sum
+from node.ops.local_swarm import p2pd_pids_of
+from tests.helpers.swarm import basic_verifier_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-
-def basic_verifier_manifest(tmp_path):
-    """runs/test.toml with the basic verifier (dtype, shape, finite) instead of SENTINEL. Every
-    tensor still passes a verifier; SENTINEL's calibration is tested on its own, and one false
-    positive there (a 60 s ban) would stall a daemon test for reasons that are not the daemon's."""
-    from node.ops.local_swarm import write_manifest
-    from stages.manifest import load_manifest
-
-    return str(write_manifest(load_manifest("test").replace(sentinel={"enabled": False}),
-                              tmp_path / "test-basic.toml"))
 
 TRAIN_STEPS = 120  # tail optimizer steps before the loss is judged
 SHUTDOWN_BOUND_S = 20.0  # --drain-timeout 10 s plus checkpoint, offline announce and p2pd stop

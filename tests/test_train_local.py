@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from node.ops.train_local import ResumeError, train
-from stages.data import load_corpus
+from node.ops import train
+from node.ops.train_local import ResumeError
+from stages import load_corpus
 from tests.helpers.scripts import ROOT
 
 
@@ -103,7 +104,7 @@ def test_cli_end_to_end(corpus, cache_dir, tmp_path, monkeypatch, capsys):
     assert summary["start_step"] == 3 and summary["steps"] == 5
     assert len(jl.read_text().splitlines()) > len(records)  # appended
 
-    from node.ops.cli import CliError
+    from node.ops import CliError
 
     for args, message in [
         (["--manifest", "test", "--resume"], "--resume needs --checkpoint-dir"),
@@ -119,7 +120,7 @@ def test_cli_end_to_end(corpus, cache_dir, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.timeout(120)
 def test_architecture_warmup_locks_then_unlocks(test_manifest, corpus):
-    from stages.model import build_stage
+    from stages import build_stage
 
     m = test_manifest.replace(warmup={"enabled": True, "groups": [[1]], "unlock_steps": [2]})
     init = dict(build_stage(m, 1).named_parameters())

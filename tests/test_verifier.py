@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
-from security.bans import BanList, ban_weight, flag_weight
-from security.verifier import BasicVerifier, SentinelVerifier, Verdict, Verifier, make_verifier
-from stages.manifest import load_manifest
+from security import BanList, BasicVerifier, SentinelVerifier, ban_weight, make_verifier
+from security.bans import flag_weight
+from security.verifier import Verdict, Verifier
+from stages import load_manifest
 
 K = 8
 

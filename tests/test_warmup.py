@@ -6,11 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.manifest import load_manifest
-from stages.model import build_model, build_stage, lm_loss, rope_tables
-from stages.optim import build_optimizer
+from stages import (
+    ArchWarmup,
+    build_model,
+    build_optimizer,
+    build_stage,
+    default_warmup_schedule,
+    lm_loss,
+    load_manifest,
+    rope_tables,
+)
+from stages.warmup import warmup_blocks
 from tests.helpers.warmup import trained_then_unlocked, warmup_ids, warmup_step
-from stages.warmup import ArchWarmup, default_warmup_schedule, warmup_blocks
 
 
 def _manifest(optim="adamw", groups=((1,), (2,)), unlock=(3, 5)):

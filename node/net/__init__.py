@@ -1,0 +1,40 @@
+"""node/net/: networking — the libp2p stream transport, identity keys, DHT membership and the
+manifest check, routing, state sync for joiners, replica averaging, and the py-libp2p probe.
+
+The names other rooms may use; each module is imported on first use of one of its names, so
+``import node.net`` pulls in no hivemind (the py-libp2p probe process must never load it)."""
+
+from node import lazy_face
+
+# name -> the module that defines it; loaded on first use, so importing this package
+# imports nothing heavy (hivemind, py-libp2p) until a name that needs it is used
+_EXPORTS = {
+    "BootstrapError": "node.net.membership",
+    "CapacityMeter": "node.net.routing",
+    "IdentityInUse": "node.net.membership",
+    "ManifestMismatch": "node.net.membership",
+    "Membership": "node.net.membership",
+    "PeerBusy": "node.net.p2p",
+    "PeerRecord": "node.net.membership",
+    "PeerRejected": "node.net.p2p",
+    "PeerUnreachable": "node.net.p2p",
+    "ReplicaAverager": "node.net.averaging",
+    "Router": "node.net.routing",
+    "StateSyncError": "node.net.state_sync",
+    "Transport": "node.net.p2p",
+    "anonymous_identity_in_use": "node.net.identity",
+    "averaging_prefix": "node.net.averaging",
+    "check_identity": "node.net.identity",
+    "choose_stage": "node.net.membership",
+    "copy_state": "node.net.state_sync",
+    "fetch_from_replicas": "node.net.state_sync",
+    "join_from_replicas": "node.net.state_sync",
+    "p2p_options": "node.net.membership",
+    "parameters_of": "node.net.state_sync",
+    "serve_state": "node.net.state_sync",
+    "start_dht": "node.net.membership",
+    "stop_dht": "node.net.membership",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_face(__name__, _EXPORTS, globals())

@@ -35,13 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from stages.asyncmesh import (
-    PartitionSchedule,
-    StalenessCorrection,
-    apply_average_delta,
-    first_moments,
-    snapshot,
-)
+from stages import PartitionSchedule, StalenessCorrection, apply_average_delta, first_moments, snapshot
 
 log = logging.getLogger("swarm.averaging")
 

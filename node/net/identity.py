@@ -19,7 +19,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from node.ops.cli import CliError
+from node.ops import CliError
 
 KEY_RSA, KEY_ED25519 = 0, 1
 _ED25519_PRIVATE_LEN = 64  # seed (32) + public key (32), the libp2p encoding

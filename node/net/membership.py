@@ -37,8 +37,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from node.net.routing import announced_rate
-from stages.manifest import (
-    PROTOCOL_VERSION,
+from node.ops import processes
+from protocol import PROTOCOL_VERSION
+from stages import (
     Manifest,
     ManifestError,
     consensus_dict,
@@ -76,20 +77,7 @@ class ManifestMismatch(Exception):
 
 
 def _children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may contain spaces, so split after the last ')'
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            out.append(int(entry))
-    return out
+    return [p.pid for p in processes() if p.ppid == pid]
 
 
 def _set_parent_death_signal(sig: int) -> None:

@@ -31,36 +31,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from protocol.frames import (
-    PREFIX_LEN,
+from node.net.streams import abort_stream, close_stream, encode_reply, linger_close, read_frame, write_frame
+from protocol import (
     Frame,
     Limits,
     ProtocolError,
     Reason,
-    encode_frame,
-    parse_header,
-    parse_prefix,
-)
-from protocol.messages import (  # noqa: F401 - the protocol ids are defined in protocol/, re-exported here
-    BWD,
-    FWD,
-    HEALTH,
-    PROTOCOLS,
-    STATE,
     make_reject,
     parse_reply,
 )
 
 logger = logging.getLogger(__name__)
-
-# One read from the daemon's unix socket: large reads keep the per-byte cost of Python low.
-READ_CHUNK = 1 << 20
-# After a reject sent before the whole request was read, keep reading (and dropping) for up to
-# this long: closing a libp2p stream with unread data resets it, and a reset can overtake the
-# reject. The caller aborts the stream as soon as it has the reject, which ends the wait.
-LINGER_S = 3.0
 
 Tensors = Sequence[tuple[str, Any]]
 # (header, [(name, tensor), ...]) or an encoded frame (the buffer list of protocol.messages.make_*)
@@ -161,48 +142,14 @@ class Transport:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    async def start(
-        cls,
-        *,
-        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
-        announce_maddrs: Sequence[str] = (),
-        initial_peers: Sequence[str] = (),
-        identity_path: str | os.PathLike | None = None,
-        use_relay: bool = False,
-        use_auto_relay: bool = False,
-        nat_port_map: bool = False,
-        auto_nat: bool = False,
-        startup_timeout: float = 30,
-        **transport_kwargs: Any,
-    ) -> Transport:
-        """Start a new p2pd with these switches and wrap it.
-
-        Defaults are loopback-only with NAT traversal and relays off (tests, local swarms); a
-        public node passes its ``--host-maddrs`` / ``--announce-maddrs`` and turns the switches on.
-        ``identity_path`` must be a key written by ``swarm-node keygen`` (checked: mode 0600).
-        """
-        from hivemind.p2p import P2P
-
-        kwargs: dict[str, Any] = {}
-        if identity_path is not None:
-            from node.net.identity import check_identity
-
-            check_identity(identity_path)
-            kwargs["identity_path"] = os.fspath(identity_path)
-            # hivemind's own check assumes RSA keys and spawns a second daemon; the node calls
-            # node.net.identity.identity_in_use through its DHT instead.
-            kwargs["check_if_identity_free"] = False
-        p2p = await P2P.create(
-            initial_peers=list(initial_peers) or None,
-            host_maddrs=list(host_maddrs),
-            announce_maddrs=list(announce_maddrs) or None,
-            use_relay=use_relay,
-            use_auto_relay=use_auto_relay,
-            nat_port_map=nat_port_map,
-            auto_nat=auto_nat,
-            startup_timeout=startup_timeout,
-            **kwargs,
-        )
+    async def start(cls, *, host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), announce_maddrs: Sequence[str] = (),
+                    initial_peers: Sequence[str] = (), identity_path: str | os.PathLike | None = None,
+                    use_relay: bool = False, use_auto_relay: bool = False, nat_port_map: bool = False,
+                    auto_nat: bool = False, startup_timeout: float = 30, **transport_kwargs: Any) -> Transport:
+        """Start a new p2pd with these switches (``start_daemon``) and wrap it; this transport owns it."""
+        p2p = await start_daemon(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, initial_peers=initial_peers,
+                                 identity_path=identity_path, use_relay=use_relay, use_auto_relay=use_auto_relay,
+                                 nat_port_map=nat_port_map, auto_nat=auto_nat, startup_timeout=startup_timeout)
         return cls(p2p, _owns_p2p=True, **transport_kwargs)
 
     async def close(self) -> None:
@@ -271,7 +218,7 @@ class Transport:
             reply = handler(frame, peer)
             if inspect.isawaitable(reply):
                 reply = await reply
-            await self._write(writer, protocol_id, _encode(reply))
+            await self._write(writer, protocol_id, encode_reply(reply))
 
         await self._register(protocol_id, respond, limits)
 
@@ -283,7 +230,7 @@ class Transport:
 
         async def respond(frame: Frame, peer: str, writer: asyncio.StreamWriter) -> None:
             async for reply in handler(frame, peer):
-                await self._write(writer, protocol_id, _encode(reply))
+                await self._write(writer, protocol_id, encode_reply(reply))
 
         await self._register(protocol_id, respond, limits)
 
@@ -316,7 +263,7 @@ class Transport:
         if self._inflight >= self.max_inflight_handlers or self._incoming[peer] >= self.max_streams_per_peer:
             # answer before reading anything: the caller reads while it writes
             await self._send_reject(writer, protocol_id, Reason.BUSY, "too many concurrent streams")
-            await _linger_close(reader, writer)
+            await linger_close(reader, writer)
             return
         self._inflight += 1
         self._incoming[peer] += 1
@@ -330,27 +277,27 @@ class Transport:
                 await respond(frame, peer, writer)
             except ProtocolError as e:
                 await self._send_reject(writer, protocol_id, e.reason, e.detail)
-                await _linger_close(reader, writer)
+                await linger_close(reader, writer)
                 return
             except TimeoutError:
                 logger.debug("%s from %s: no complete frame in %.0f s", protocol_id, peer, self.read_timeout)
-                _abort(writer)
+                abort_stream(writer)
                 return
             except (ConnectionError, OSError) as e:
                 logger.debug("%s from %s: stream broke: %r", protocol_id, peer, e)
-                _abort(writer)
+                abort_stream(writer)
                 return
             except Exception:
                 self.stats.handler_errors += 1
                 logger.exception("handler for %s failed on a frame from %s", protocol_id, peer)
                 await self._send_reject(writer, protocol_id, Reason.INTERNAL, "the handler failed")
-            await _close(writer)
+            await close_stream(writer)
         except asyncio.CancelledError:
-            _abort(writer)
+            abort_stream(writer)
             raise
         except Exception:  # never let one stream take the node down
             logger.exception("%s stream from %s failed", protocol_id, peer)
-            _abort(writer)
+            abort_stream(writer)
         finally:
             self._inflight -= 1
             self._incoming[peer] -= 1
@@ -383,7 +330,7 @@ class Transport:
         ``ProtocolError`` if the reply itself is malformed or breaks ``limits`` (default: the
         transport's). Cancelling the call resets the stream.
         """
-        buffers = _encode((header, tensors))
+        buffers = encode_reply((header, tensors))
         self.stats.requests[protocol_id] += 1
         async with asyncio.timeout(timeout):
             async with self._peer_slot(peer_id):
@@ -422,7 +369,7 @@ class Transport:
             except (ConnectionError, OSError) as e:
                 raise PeerUnreachable(f"{peer_id} broke the {protocol_id} stream: {e!r}") from e
         except BaseException:
-            _abort(writer)
+            abort_stream(writer)
             raise
         finally:
             for task in (write_task, read_task):
@@ -430,7 +377,7 @@ class Transport:
                     task.cancel()
             # retrieve exceptions so asyncio does not log them as never retrieved
             await asyncio.gather(write_task, read_task, return_exceptions=True)
-        await _close(writer)
+        await close_stream(writer)
         return reply
 
     async def request_stream(
@@ -450,7 +397,7 @@ class Transport:
         raises as in :meth:`request`; a stream cut inside a frame raises :class:`PeerUnreachable`.
         Leaving the ``async for`` early (break, exception, cancellation) resets the stream.
         """
-        buffers = _encode((header, tensors))
+        buffers = encode_reply((header, tensors))
         self.stats.requests[protocol_id] += 1
         async with self._peer_slot(peer_id):
             async with asyncio.timeout(timeout):
@@ -473,9 +420,9 @@ class Transport:
                     self._raise_if_reject(protocol_id, frame)
                     yield frame
             except BaseException:
-                _abort(writer)
+                abort_stream(writer)
                 raise
-            await _close(writer)
+            await close_stream(writer)
 
     def _raise_if_reject(self, protocol_id: str, frame: Frame) -> None:
         if frame.header.get("type") != "reject":
@@ -522,162 +469,41 @@ class Transport:
     async def _read_frame(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol_id: str, limits: Limits | None = None
     ) -> Frame | None:
-        """Read exactly one frame and nothing past it; ``None`` on EOF before its first byte.
-
-        Prefix and header come through the StreamReader; every limit is checked on them (by
-        ``protocol.frames``) before the body is allocated. The body is then received straight
-        into its final buffer (see :class:`_BodyReceiver`), so tensor bytes are copied once,
-        kernel to body, as on a bare socket. ``ProtocolError`` on a bad or cut frame.
-        """
-        limits = limits or self.limits
-        try:
-            prefix = await reader.readexactly(PREFIX_LEN)
-        except asyncio.IncompleteReadError as e:
-            if not e.partial:
-                return None
-            parse_prefix(e.partial, limits)  # a wrong magic is the better error
-            raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame prefix") from None
-        hlen = parse_prefix(prefix, limits)
-        try:
-            head = parse_header(await reader.readexactly(hlen), limits)
-        except asyncio.IncompleteReadError:
-            raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame header") from None
-        body = np.empty(head.body_len, dtype=np.uint8)  # size checked by parse_header
-        await _receive_into(reader, writer, memoryview(body))
-        self.stats.bytes[(protocol_id, "in")] += PREFIX_LEN + hlen + head.body_len
-        self.stats.frames[(protocol_id, "in")] += 1
-        return head.assemble(body)
+        """One frame (``streams.read_frame``, limits checked before the body is allocated), counted."""
+        frame, nbytes = await read_frame(reader, writer, limits or self.limits)
+        if frame is not None:
+            self.stats.bytes[(protocol_id, "in")] += nbytes
+            self.stats.frames[(protocol_id, "in")] += 1
+        return frame
 
     async def _write(self, writer: asyncio.StreamWriter, protocol_id: str, buffers: list) -> None:
-        """Write an encoded frame: the buffers go to the socket as they are (no join, no copy)."""
-        writer.writelines(buffers)
-        await writer.drain()
-        self.stats.bytes[(protocol_id, "out")] += sum(memoryview(b).nbytes for b in buffers)
+        """Write an encoded frame (``streams.write_frame``), counted."""
+        self.stats.bytes[(protocol_id, "out")] += await write_frame(writer, buffers)
         self.stats.frames[(protocol_id, "out")] += 1
 
 
-def _encode(reply: Any) -> list:
-    """``(header, tensors)`` -> buffers; an already encoded frame (list of buffers) passes through."""
-    if isinstance(reply, list):
-        return reply
-    if isinstance(reply, tuple) and len(reply) == 2:
-        header, tensors = reply
-        if isinstance(header, list):
-            if tensors:
-                raise ValueError("an encoded frame was given together with extra tensors")
-            return header
-        if isinstance(header, dict):
-            return encode_frame(header, list(tensors))
-    raise TypeError(
-        f"expected (header dict, [(name, tensor), ...]) or an encoded frame, got {type(reply).__name__}"
-    )
+async def start_daemon(*, host_maddrs: Sequence[str], announce_maddrs: Sequence[str], initial_peers: Sequence[str],
+                       identity_path: str | os.PathLike | None, use_relay: bool, use_auto_relay: bool,
+                       nat_port_map: bool, auto_nat: bool, startup_timeout: float) -> Any:
+    """A new ``hivemind.P2P`` (its own p2pd) with these switches.
 
-
-# Bodies smaller than this are read through the StreamReader (switching protocols costs more).
-DIRECT_BODY_MIN = 64 * 1024
-
-
-class _BodyReceiver(asyncio.BufferedProtocol):
-    """Takes over a connection to receive exactly ``len(view)`` bytes into ``view``.
-
-    The event loop then ``recv``s straight into the frame body (no StreamReader buffer, no
-    intermediate ``bytes``), asking for all the bytes still missing at once. It never asks for
-    more than the body, so no byte of a following frame lands here, and it hands the connection
-    back to the stream's own protocol the moment the body is full (or the peer is gone).
+    Loopback-only with NAT traversal and relays off is what tests and local swarms pass; a
+    public node passes its ``--host-maddrs`` / ``--announce-maddrs`` and turns the switches on.
+    ``identity_path`` must be a key written by ``swarm-node keygen`` (checked: mode 0600).
     """
+    from hivemind.p2p import P2P
 
-    def __init__(self, transport: asyncio.Transport, previous: asyncio.BaseProtocol, view: memoryview):
-        self.transport, self.previous, self.view = transport, previous, view
-        self.filled = 0
-        self.done = asyncio.get_running_loop().create_future()
+    kwargs: dict[str, Any] = {}
+    if identity_path is not None:
+        from node.net.identity import check_identity
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view[self.filled :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
-        if self.filled == len(self.view):
-            self._hand_back(None)
-
-    def eof_received(self) -> bool | None:
-        self._hand_back(ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body"))
-        return self.previous.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._hand_back(exc or ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body"))
-        self.previous.connection_lost(exc)
-
-    # the writing side keeps its flow control (StreamWriter.drain) while we read
-    def pause_writing(self) -> None:
-        self.previous.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.previous.resume_writing()
-
-    def _hand_back(self, exc: BaseException | None) -> None:
-        if self.transport.get_protocol() is self:
-            self.transport.set_protocol(self.previous)
-        if not self.done.done():
-            if exc is None:
-                self.done.set_result(None)
-            else:
-                self.done.set_exception(exc)
-
-
-async def _receive_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, view: memoryview) -> None:
-    """Fill ``view`` with the next ``len(view)`` bytes of the stream."""
-    buffered = getattr(reader, "_buffer", None)  # asyncio keeps the read-ahead in a private bytearray
-    transport = writer.transport
-    if len(view) < DIRECT_BODY_MIN or not isinstance(buffered, bytearray) or transport.is_closing():
-        filled = 0
-        while filled < len(view):
-            try:
-                chunk = await reader.readexactly(min(READ_CHUNK, len(view) - filled))
-            except asyncio.IncompleteReadError:
-                raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body") from None
-            view[filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
-        return
-    # 1) what the StreamReader already read ahead (synchronously: nothing can arrive meanwhile)
-    n = min(len(buffered), len(view))
-    view[:n] = buffered[:n]
-    del buffered[:n]
-    if n == len(view):
-        return
-    if reader.at_eof() or reader.exception() is not None:
-        raise ProtocolError(Reason.BAD_FRAME, "stream ended inside the frame body")
-    # 2) the rest straight from the socket
-    receiver = _BodyReceiver(transport, transport.get_protocol(), view)
-    receiver.filled = n
-    transport.set_protocol(receiver)
-    transport.resume_reading()  # the StreamReader may have paused it when its buffer was full
-    try:
-        await receiver.done
-    finally:
-        if transport.get_protocol() is receiver:  # cancelled: give the connection back
-            transport.set_protocol(receiver.previous)
-
-
-async def _linger_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Close after a reject without resetting it away (see ``LINGER_S``)."""
-    with contextlib.suppress(ConnectionError, OSError, TimeoutError):
-        async with asyncio.timeout(LINGER_S):
-            while await reader.read(READ_CHUNK):
-                pass
-    await _close(writer)
-
-
-def _abort(writer: asyncio.StreamWriter) -> None:
-    """Drop the connection to the daemon now; p2pd resets the libp2p stream."""
-    with contextlib.suppress(Exception):
-        writer.transport.abort()
-
-
-async def _close(writer: asyncio.StreamWriter) -> None:
-    """Flush and close; p2pd then closes the libp2p stream after delivering what we wrote."""
-    try:
-        writer.close()
-        async with asyncio.timeout(5):
-            await writer.wait_closed()
-    except (ConnectionError, OSError, TimeoutError):
-        _abort(writer)
+        check_identity(identity_path)
+        kwargs["identity_path"] = os.fspath(identity_path)
+        # hivemind's own check assumes RSA keys and spawns a second daemon; the node calls
+        # node.net.identity.identity_in_use through its DHT instead.
+        kwargs["check_if_identity_free"] = False
+    return await P2P.create(
+        initial_peers=list(initial_peers) or None, host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs) or None, use_relay=use_relay, use_auto_relay=use_auto_relay,
+        nat_port_map=nat_port_map, auto_nat=auto_nat, startup_timeout=startup_timeout, **kwargs,
+    )

@@ -25,8 +25,8 @@ import time
 
 import msgpack
 
-from protocol.frames import PROTOCOL_VERSION as VERSION
-from protocol.messages import FWD, HEALTH
+from protocol import FWD, HEALTH
+from protocol import PROTOCOL_VERSION as VERSION
 
 MAGIC = b"SWN1"  # written out from the spec on purpose (see above), not protocol.frames.MAGIC
 MAX_REPLY_HEADER = 64 * 1024
@@ -87,10 +87,10 @@ async def probe(maddr: str, run: str, timeout: float) -> dict:
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.crypto.x25519 import create_new_key_pair as create_x25519
     from libp2p.custom_types import TProtocol
+    from libp2p.network.stream.exceptions import StreamReset
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE
     from libp2p.security.noise.transport import Transport as Noise
-    from libp2p.network.stream.exceptions import StreamReset
 
     out: dict = {"maddr": maddr, "implementation": "py-libp2p", "security": str(NOISE), "muxer": "/yamux/1.0.0"}
     try:

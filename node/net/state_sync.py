@@ -22,9 +22,16 @@ from typing import Awaitable, Callable
 
 import torch
 
-from node.net.p2p import STATE, PeerBusy, PeerRejected, PeerUnreachable
-from protocol.frames import ProtocolError, Reason
-from protocol.messages import StateAssembler, make_state_request, state_chunks, validate_state_request
+from node.net.p2p import PeerBusy, PeerRejected, PeerUnreachable
+from protocol import (
+    STATE,
+    ProtocolError,
+    Reason,
+    StateAssembler,
+    make_state_request,
+    state_chunks,
+    validate_state_request,
+)
 
 log = logging.getLogger("swarm_node.state_sync")
 

@@ -45,9 +45,9 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
-    from node.ops.config import tcp_ports
     from node.daemon import check_port_free
-    from node.net.identity import check_identity
+    from node.net import check_identity
+    from node.ops.config import tcp_ports
 
     host = args.host_maddrs or (["/ip4/127.0.0.1/tcp/0"] if args.local else ["/ip4/0.0.0.0/tcp/31337"])
     for m in list(host) + list(args.announce_maddrs) + list(args.initial_peers):
@@ -59,14 +59,14 @@ def _main(args) -> int:
         check_identity(args.identity)
     manifest = None
     if args.manifest:
-        from stages.manifest import ManifestError, load_manifest
+        from stages import ManifestError, load_manifest
 
         try:
             manifest = load_manifest(args.manifest)
         except ManifestError as e:
             raise CliError(f"--manifest {args.manifest}: {e}") from None
 
-    from node.net.membership import BootstrapError, ManifestMismatch, Membership, start_dht, stop_dht
+    from node.net import BootstrapError, ManifestMismatch, Membership, start_dht, stop_dht
 
     stop = threading.Event()
 

@@ -16,6 +16,7 @@ import time
 from node.ops.errors import CliError
 from node.ops.local_swarm import LocalSwarm, NodeProc, metric_sum
 
+
 def add_arguments(p) -> None:
     p.add_argument("--manifest", default="default", help="run manifest (default: the shipped default run)")
     p.add_argument("--replicas", type=int, default=1, help="replicas of each middle stage (default 1)")
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from stages.manifest import ManifestError, load_manifest
+    from stages import ManifestError, load_manifest
 
     try:
         m = load_manifest(args.manifest)

@@ -75,7 +75,7 @@ def check_torch(device_spec: str) -> tuple[list[Check], str | None]:
 
 def check_memory(manifest_arg: str, stage_arg: str, device: str) -> list[Check]:
     from node.ops.resources import available_device_bytes, estimate_stage_memory, fmt_bytes
-    from stages.manifest import ManifestError, load_manifest
+    from stages import ManifestError, load_manifest
 
     try:
         m = load_manifest(manifest_arg)

@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node.ops.procs import processes
 
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -76,7 +77,7 @@ def _toml_value(v) -> str:
 def write_manifest(manifest, path: str | Path) -> Path:
     """Write a ``Manifest`` as a TOML file ``load_manifest`` reads back to an equal manifest (for
     launching swarms on a variant of a shipped run: ``m.replace(sentinel={"enabled": False})``)."""
-    from stages.manifest import load_manifest
+    from stages import load_manifest
 
     lines = []
     for section, values in manifest.to_dict().items():
@@ -286,17 +287,4 @@ class LocalSwarm:
 
 def p2pd_pids_of(pids: list[int]) -> list[int]:
     """Running p2pd processes whose session is one of ``pids`` (our nodes are session leaders)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.find(b"(") + 1: stat.rfind(b")")]
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if comm == b"p2pd" and len(fields) > 3 and int(fields[3]) in pids and fields[0] != b"Z":
-            out.append(int(entry))
-    return out
+    return [p.pid for p in processes() if p.name == b"p2pd" and p.session in pids and p.alive]

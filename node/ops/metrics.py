@@ -19,7 +19,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -29,8 +28,9 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from protocol.messages import PROTOCOLS
+from protocol import PROTOCOLS
 
 STATES = ("starting", "joining", "online", "draining", "offline")
 

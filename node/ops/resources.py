@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from stages.manifest import Manifest
+from stages import Manifest
 
 # bytes per parameter: fp32 weights + fp32 grads + optimizer state (Adam family: 2 fp32 moments)
 _OPT_STATE_BYTES = {"adamw": 8, "adam": 8, "nadam": 8, "sgd": 4, "muon": 4, "numuon": 4}

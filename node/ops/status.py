@@ -87,8 +87,8 @@ def fetch_metrics(target: str, timeout: float) -> str:
 
 
 async def status_from_multiaddr(maddr: str, timeout: float) -> dict[str, Any]:
-    from node.net.p2p import HEALTH, Transport
-    from protocol.messages import make_health_request, parse_health
+    from node.net import Transport
+    from protocol import HEALTH, make_health_request, parse_health
 
     transport = await Transport.start(host_maddrs=("/ip4/127.0.0.1/tcp/0",) if "/127." in maddr
                                       else ("/ip4/0.0.0.0/tcp/0",))

@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     from node.ops.cli import CliError
-    from stages.manifest import ManifestError, load_manifest
+    from stages import ManifestError, load_manifest
 
     try:
         manifest = load_manifest(args.manifest)
@@ -54,7 +54,7 @@ def main(args) -> int:
         raise CliError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     device = resolve_device(args.device)
     from node.ops.checkpoint import CheckpointError
-    from stages.data import DataError
+    from stages import DataError
 
     try:
         result = train(
@@ -140,10 +140,19 @@ def train(
         restore_optimizer,
         save_checkpoint,
     )
-    from stages.data import Batches, load_corpus, val_batches
-    from stages.manifest import diff_manifests, manifest_from_dict, manifest_hash
-    from stages.model import build_stage, lm_loss
-    from stages.optim import build_optimizer, lr_at, set_lr
+    from stages import (
+        Batches,
+        build_optimizer,
+        build_stage,
+        diff_manifests,
+        lm_loss,
+        load_corpus,
+        lr_at,
+        manifest_from_dict,
+        manifest_hash,
+        set_lr,
+        val_batches,
+    )
 
     t_start = time.perf_counter()
     device = torch.device(device)
@@ -187,7 +196,7 @@ def train(
     # schedule, as a swarm node does; groups due by ``start`` keep their checkpointed weights
     warmups = []
     if m.warmup.enabled:
-        from stages.warmup import ArchWarmup
+        from stages import ArchWarmup
 
         warmups = [ArchWarmup(m, s, step=start) for s in stages]
 
@@ -218,15 +227,14 @@ def train(
             s.train()
         return total / max(1, len(vbatches))
 
-    # preconditioned sharpness (papers.md §5) every warmup.sharpness_every steps, over the hidden
+    # preconditioned sharpness (docs/REFERENCES.md §5) every warmup.sharpness_every steps, over the hidden
     # matrices of all stages on one fixed training batch, P = diag(sqrt(v)+eps) of the stage optimizers
     sharp_every = m.warmup.sharpness_every
     sharp_hist: list[tuple[int, float]] = []
     sharp_state: dict = {}
 
     def measure_sharpness() -> float:
-        from stages.optim import hidden_matrix_names
-        from stages.sharpness import SharpnessTracker, adam_preconditioner
+        from stages import SharpnessTracker, adam_preconditioner, hidden_matrix_names
 
         params, precond = [], []
         for s, o in zip(stages, optims):

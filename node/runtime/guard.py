@@ -28,9 +28,9 @@ import torch
 
 from node.runtime.options import RuntimeOptions
 from node.runtime.worker import Tasks, pin_torch_threads
-from protocol.frames import Reason
-from security.bans import BanList, ban_weight, refusal_weight_of
-from stages.manifest import SentinelConfig
+from protocol import Reason
+from security import BanList, ban_weight, refusal_weight_of
+from stages import SentinelConfig
 
 log = logging.getLogger("swarm_node.runtime")
 

@@ -9,12 +9,11 @@ import logging
 import time
 from typing import Callable
 
-from node.net.p2p import HEALTH, PeerBusy, PeerRejected, PeerUnreachable
+from node.net import PeerBusy, PeerRejected, PeerUnreachable
 from node.runtime.options import Context, RuntimeOptions
 from node.runtime.sends import Skip
 from node.runtime.worker import Tasks
-from protocol.frames import ProtocolError, Reason
-from protocol.messages import make_health_request, parse_health
+from protocol import HEALTH, ProtocolError, Reason, make_health_request, parse_health
 
 log = logging.getLogger("swarm_node.runtime")
 

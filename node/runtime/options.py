@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stages.asyncmesh import StageWeights
-from stages.manifest import Manifest
+from stages import Manifest, StageWeights
 
 
 @dataclass

@@ -31,9 +31,8 @@ from node.runtime.options import Context, RuntimeOptions
 from node.runtime.sends import Sender, Skip
 from node.runtime.trainer import Trainer
 from node.runtime.worker import ComputeWorker, QueueFull, Tasks
-from protocol.frames import ProtocolError, Reason
-from protocol.messages import Expect, make_ack, make_reject, validate_bwd, validate_fwd
-from security.bans import verdict_score
+from protocol import Expect, ProtocolError, Reason, make_ack, make_reject, validate_bwd, validate_fwd
+from security import verdict_score
 
 log = logging.getLogger("swarm_node.runtime")
 
@@ -74,15 +73,21 @@ class Pipeline:
         self.metrics.served.labels(protocol="fwd", result="busy").inc()
         return make_reject(Reason.BUSY, detail, mb=mb, retry_ms=retry_ms)
 
-    async def on_fwd(self, frame, peer: str):
-        if self.expect_fwd is None:
-            raise ProtocolError(Reason.WRONG_STAGE, "this node holds stage 0 (the head); it takes no fwd")
-        self.expect_fwd.version = self.trainer.version
+    def _validated(self, protocol: str, frame, peer: str, expect: Expect | None, validate, no_such: str):
+        """The frame's typed view (``protocol.validate_fwd``/``validate_bwd`` against what this stage
+        expects now); a ``ProtocolError`` is counted and raised (the transport answers ``reject``)."""
+        if expect is None:
+            raise ProtocolError(Reason.WRONG_STAGE, no_such)
+        expect.version = self.trainer.version
         try:
-            fwd = validate_fwd(frame, self.expect_fwd, sender=peer)
+            return validate(frame, expect, sender=peer)
         except ProtocolError as e:
-            self.metrics.served.labels(protocol="fwd", result=e.reason.value).inc()
+            self.metrics.served.labels(protocol=protocol, result=e.reason.value).inc()
             raise
+
+    async def on_fwd(self, frame, peer: str):
+        fwd = self._validated("fwd", frame, peer, self.expect_fwd, validate_fwd,
+                              "this node holds stage 0 (the head); it takes no fwd")
         if self.guard.is_banned_sender(peer):
             self.metrics.served.labels(protocol="fwd", result="banned").inc()
             return make_reject(Reason.BANNED, "this peer is banned here", mb=fwd.mb)
@@ -146,14 +151,8 @@ class Pipeline:
     # ------------------------------------------------------------------ inbound bwd
 
     async def on_bwd(self, frame, peer: str):
-        if self.expect_bwd is None:
-            raise ProtocolError(Reason.WRONG_STAGE, "this node holds the last stage; it takes no bwd")
-        self.expect_bwd.version = self.trainer.version
-        try:
-            bwd = validate_bwd(frame, self.expect_bwd, sender=peer)
-        except ProtocolError as e:
-            self.metrics.served.labels(protocol="bwd", result=e.reason.value).inc()
-            raise
+        bwd = self._validated("bwd", frame, peer, self.expect_bwd, validate_bwd,
+                              "this node holds the last stage; it takes no bwd")
         ctx = self.contexts.get(bwd.mb)
         if ctx is None:
             # expired, dropped or never ours: tell upstream at once so it frees its context too

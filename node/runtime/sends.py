@@ -12,11 +12,10 @@ from typing import Callable
 
 import torch
 
-from node.net.p2p import BWD, FWD, PeerBusy, PeerRejected, PeerUnreachable
+from node.net import PeerBusy, PeerRejected, PeerUnreachable
 from node.runtime.guard import Guard
 from node.runtime.options import Context, RuntimeOptions
-from protocol.frames import Reason
-from protocol.messages import make_bwd, make_fwd
+from protocol import BWD, FWD, Reason, make_bwd, make_fwd
 
 log = logging.getLogger("swarm_node.runtime")
 

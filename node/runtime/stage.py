@@ -25,8 +25,7 @@ from typing import Callable
 
 import torch
 
-from node.net.p2p import BWD, FWD, HEALTH, STATE
-from node.net.state_sync import StateSyncError, fetch_from_replicas, serve_state
+from node.net import StateSyncError, fetch_from_replicas, serve_state
 from node.runtime.guard import Guard
 from node.runtime.liveness import Liveness
 from node.runtime.options import RuntimeOptions, max_batch_for
@@ -34,9 +33,8 @@ from node.runtime.pipeline import Pipeline
 from node.runtime.sends import Sender
 from node.runtime.trainer import Checkpointer, Trainer
 from node.runtime.worker import ComputeWorker, Tasks
-from protocol.frames import Limits
-from protocol.messages import Expect, make_health, validate_health_request
-from stages.manifest import Manifest, manifest_hash
+from protocol import BWD, FWD, HEALTH, STATE, Expect, Limits, make_health, validate_health_request
+from stages import Manifest, manifest_hash
 
 log = logging.getLogger("swarm_node.runtime")
 

@@ -27,15 +27,21 @@ from typing import Callable
 
 import torch
 
-from node.net.routing import CapacityMeter
-from node.ops.checkpoint import flatten_module, flatten_optimizer, restore_module, restore_optimizer
-from node.net.state_sync import copy_state, parameters_of
+from node.net import CapacityMeter, copy_state, parameters_of
+from node.ops import flatten_module, flatten_optimizer, restore_module, restore_optimizer
 from node.runtime.options import Context, RuntimeOptions
-from stages.asyncmesh import LookaheadForward, StepClock, StepPolicy
-from stages.manifest import Manifest, consensus_dict, manifest_hash
-from stages.model import lm_loss
-from stages.optim import lr_at, set_lr
-from stages.warmup import ArchWarmup
+from stages import (
+    ArchWarmup,
+    LookaheadForward,
+    Manifest,
+    StepClock,
+    StepPolicy,
+    consensus_dict,
+    lm_loss,
+    lr_at,
+    manifest_hash,
+    set_lr,
+)
 
 log = logging.getLogger("swarm_node.runtime")
 

@@ -27,7 +27,8 @@ import re
 import time
 from pathlib import Path
 
-from node.ops.local_swarm import LocalSwarm, NodeProc, metric_sum, p2pd_pids_of, write_manifest
+from node.ops import LocalSwarm, metric_sum, write_manifest
+from node.ops.local_swarm import NodeProc, p2pd_pids_of
 
 BAN_CAUSES = ("verifier", "verifier-downstream")
 _LOSS = re.compile(r"step (\d+) loss ([0-9.]+|nan|inf)")
@@ -35,7 +36,7 @@ _LOSS = re.compile(r"step (\d+) loss ([0-9.]+|nan|inf)")
 
 def drill_manifest(manifest: str = "test", **sentinel) -> object:
     """``manifest`` (name or path) with SENTINEL on and ``sentinel`` fields overridden."""
-    from stages.manifest import load_manifest
+    from stages import load_manifest
 
     return load_manifest(manifest).replace(sentinel={"enabled": True, **sentinel})
 
@@ -77,7 +78,7 @@ def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: in
         tail = sw.start_node(2, name="tail")
         sw.wait_ready(timeout=ready_timeout_s)
         say(f"honest swarm online after {time.monotonic() - t0:.0f} s")
-        # SENTINEL's warm-up is honest by assumption (papers.md §3): the attacker joins once the
+        # SENTINEL's warm-up is honest by assumption (docs/REFERENCES.md §3): the attacker joins once the
         # tail has judged `warmup` tensors past it (one per step), so the references it meets
         # were built by honest replicas only
         want = m.sentinel.warmup + 10

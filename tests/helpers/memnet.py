@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from node.net.p2p import PeerBusy, PeerRejected, PeerUnreachable
-from protocol.frames import FrameDecoder, ProtocolError, encode_frame
-from protocol.messages import make_reject, parse_reply
+from node.net import PeerBusy, PeerRejected, PeerUnreachable
+from protocol import FrameDecoder, ProtocolError, encode_frame, make_reject, parse_reply
 
 
 def frame_of(buffers, limits=None):

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.net.routing import Router
-from node.ops.metrics import NodeMetrics
+from node.net import Router
+from node.ops import NodeMetrics
 from node.runtime import RuntimeOptions, StageRuntime
-from stages.model import build_stage
-from stages.optim import build_optimizer
+from stages import build_optimizer, build_stage
 from tests.helpers.memnet import MemTransport, Net  # noqa: F401 - re-exported for the runtime tests
 
 
@@ -75,7 +74,7 @@ def link(runtimes):
 
 
 def head_batches(manifest):
-    from stages.data import Batches, load_corpus
+    from stages import Batches, load_corpus
 
     corpus = load_corpus(manifest.data)
     return Batches(corpus.train, manifest.data.batch_size, manifest.model.seq_len, seed=manifest.run.seed)
@@ -93,7 +92,7 @@ async def stop_all(runtimes):
 
 
 def value(rt, name, **labels):
-    from node.ops.local_swarm import metric_sum, parse_metrics
+    from node.ops import metric_sum, parse_metrics
 
     return metric_sum(parse_metrics(rt.metrics.render().decode()), name, **labels)
 

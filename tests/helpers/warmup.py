@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.model import build_model, lm_loss
-from stages.optim import build_optimizer
-from stages.warmup import ArchWarmup
+from stages import ArchWarmup, build_model, build_optimizer, lm_loss
 
 
 def warmup_ids(seed, b=2, L=16):

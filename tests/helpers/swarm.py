@@ -1,0 +1,14 @@
+"""Multi-process swarm tests: the manifests they launch."""
+
+from __future__ import annotations
+
+
+def basic_verifier_manifest(tmp_path):
+    """runs/test.toml with the basic verifier (dtype, shape, finite) instead of SENTINEL. Every
+    tensor still passes a verifier; SENTINEL's calibration is tested on its own, and one false
+    positive there (a 60 s ban) would stall a daemon test for reasons that are not the daemon's."""
+    from node.ops import write_manifest
+    from stages import load_manifest
+
+    return str(write_manifest(load_manifest("test").replace(sentinel={"enabled": False}),
+                              tmp_path / "test-basic.toml"))
