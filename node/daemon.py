@@ -24,6 +24,7 @@ import asyncio
 import errno
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -105,6 +106,8 @@ def run_node(cfg: node_config.NodeConfig) -> int:
 
     from node.net import (
         BootstrapError,
+        ForgeryCounter,
+        ephemeral_identity,
         IdentityInUse,
         ManifestMismatch,
         Membership,
@@ -132,6 +135,7 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         manifest = load_manifest(cfg.manifest)
     except ManifestError as e:
         raise CliError(f"--manifest {cfg.manifest}: {e}") from None
+    check_signed(manifest, cfg)
     if cfg.stage != "auto" and int(cfg.stage) >= manifest.n_stages:
         raise CliError(f"--stage {cfg.stage}: the manifest has {manifest.n_stages} stages (0..{manifest.n_stages - 1})")
     if cfg.attack:
@@ -168,6 +172,10 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         _announce_line(f"metrics at {server.url}/metrics (health {server.url}/healthz, ready {server.url}/readyz)")
 
     dht = None
+    # every node signs its DHT records with its libp2p key: one without --identity gets a fresh key
+    # for this run only, in a private temporary directory removed at exit
+    identity = cfg.identity or str(ephemeral_identity())
+    forgeries = ForgeryCounter()
     try:
         if cfg.identity and cfg.initial_peers:
             from node.net import p2p_options
@@ -182,8 +190,8 @@ def run_node(cfg: node_config.NodeConfig) -> int:
                     "stop that node first, or give this one its own key: swarm-node keygen NEWKEY"
                 )
         try:
-            dht = start_dht(cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs, cfg.identity or None,
-                            local=cfg.local, retries=cfg.bootstrap_retries, timeout=cfg.bootstrap_timeout)
+            dht = start_dht(cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs, identity, local=cfg.local,
+                            retries=cfg.bootstrap_retries, timeout=cfg.bootstrap_timeout, forgeries=forgeries)
         except BootstrapError as e:
             raise CliError(str(e)) from None
         except IdentityInUse as e:
@@ -197,6 +205,10 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         peer_id = dht.peer_id.to_base58()
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         membership = Membership(dht, manifest, ttl=max(4 * cfg.announce_every, 10.0))
+        metrics.attach_forgeries(lambda: {
+            **{(kind, "signature"): n for kind, n in forgeries.snapshot().items()},
+            **{(kind, "binding"): n for kind, n in membership.forged.items()},
+        })
         try:
             had_manifest = membership.check_and_publish_manifest()
         except ManifestMismatch as e:
@@ -258,7 +270,26 @@ def run_node(cfg: node_config.NodeConfig) -> int:
             stop_dht(dht)
         if server is not None:
             server.close()
+        if not cfg.identity:
+            shutil.rmtree(os.path.dirname(identity), ignore_errors=True)
         log.info("p2p daemon and DHT stopped in %.1f s", time.monotonic() - t_stop)
+
+
+def check_signed(manifest, cfg) -> None:
+    """The first check of a run: the manifest is the organisers' (signed by ``run.organiser``), or
+    unsigned on a swarm of this machine only (``--allow-unsigned``). One line with the fix if not."""
+    from security import manifest_signature_problem
+
+    if manifest.run.organiser:
+        problem = manifest_signature_problem(manifest)
+        if problem is not None:
+            raise CliError(f"--manifest {cfg.manifest}: {problem}; get the signed manifest from the run's organisers")
+        return
+    if not cfg.allow_unsigned:
+        raise CliError(
+            f"--manifest {cfg.manifest} is not signed: a public run's manifest carries its organisers' signature "
+            "(swarm-node manifest sign); for a swarm on this machine only, pass --local --allow-unsigned"
+        )
 
 
 class Node:

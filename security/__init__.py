@@ -9,11 +9,25 @@ from security.attacks import (  # noqa: F401
 from security.bans import (  # noqa: F401
     BanList, ban_weight, refusal_weight_of, verdict_score,
 )
+from security.identity import (
+    OrganiserKey, PeerKey, b58encode, manifest_signature_problem, new_ed25519_key, organiser_fingerprint,
+    peer_id_from_key, peer_id_of_public_key, verify_manifest_signature, verify_peer_signature,
+)
 from security.verifier import (  # noqa: F401
     BasicVerifier, SentinelVerifier, make_verifier,
 )
 
 __all__ = [
+    "OrganiserKey",
+    "PeerKey",
+    "b58encode",
+    "manifest_signature_problem",
+    "new_ed25519_key",
+    "organiser_fingerprint",
+    "peer_id_from_key",
+    "peer_id_of_public_key",
+    "verify_manifest_signature",
+    "verify_peer_signature",
     "ATTACKS",
     "AttackNotAllowed",
     "BanList",

@@ -259,3 +259,27 @@ def check_attack_allowed(name: str | None, manifest_allows: bool, cli_allows: bo
             f"--attack {name} poisons what this node sends and is for testing the verifier only; "
             "set sentinel.allow_attacks = true in a test manifest or pass --allow-attacks"
         )
+
+
+# ----------------------------------------------------------------------------- poisoned state
+
+STATE_ATTACKS = ("state-scaled", "state-random", "state-foreign")
+
+
+def poison_state(name: str, tensors: dict, seed: int = 0) -> dict:
+    """What a malicious replica serves a joiner instead of its weights (testing the joiner's check
+    only; ``--attack state-*``): ``state-scaled`` every tensor ×3; ``state-random`` unit normal
+    noise; ``state-foreign`` another run's weights (fresh values with each tensor's own mean and
+    spread, as a model trained from another seed has)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, t in tensors.items():
+        if name == "state-scaled":
+            out[key] = t * 3.0
+        elif name == "state-random":
+            out[key] = torch.randn(t.shape, generator=g).to(t.dtype)
+        elif name == "state-foreign":
+            out[key] = (torch.randn(t.shape, generator=g) * t.float().std() + t.float().mean()).to(t.dtype)
+        else:
+            raise ValueError(f"unknown state attack {name!r}; known: {', '.join(STATE_ATTACKS)}")
+    return out

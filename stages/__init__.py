@@ -11,8 +11,8 @@ from stages.data import (  # noqa: F401
     Batches, DataError, load_corpus, val_batches,
 )
 from stages.manifest import (  # noqa: F401
-    Manifest, ManifestError, SentinelConfig, consensus_dict, diff_manifests, even_layout, load_manifest,
-    manifest_from_dict, manifest_hash,
+    Manifest, ManifestError, SentinelConfig, consensus_dict, consensus_hash, diff_manifests, even_layout, load_manifest,
+    manifest_from_dict, manifest_hash, manifest_toml,
 )
 from stages.model import (  # noqa: F401
     Stage, Transformer, build_model, build_stage, count_parameters, lm_loss, rope_tables, split_model,
@@ -23,6 +23,7 @@ from stages.optim import (  # noqa: F401
 from stages.sharpness import (  # noqa: F401
     SharpnessTracker, adam_preconditioner, eos_bound,
 )
+from stages.state_check import STATE_TOLERANCE, agreeing, output_distance, probe_inputs, probe_output
 from stages.subspace import (  # noqa: F401
     SubspaceCodec, wire_bytes_per_token,
 )
@@ -31,6 +32,11 @@ from stages.warmup import (  # noqa: F401
 )
 
 __all__ = [
+    "STATE_TOLERANCE",
+    "agreeing",
+    "output_distance",
+    "probe_inputs",
+    "probe_output",
     "ArchWarmup",
     "Batches",
     "DataError",
@@ -53,6 +59,7 @@ __all__ = [
     "build_optimizer",
     "build_stage",
     "consensus_dict",
+    "consensus_hash",
     "count_parameters",
     "default_warmup_schedule",
     "diff_manifests",
@@ -66,6 +73,7 @@ __all__ = [
     "lr_at",
     "manifest_from_dict",
     "manifest_hash",
+    "manifest_toml",
     "rope_tables",
     "set_lr",
     "snapshot",

@@ -17,6 +17,7 @@ becomes ``k = d_model // R`` with a ``ManifestDeprecationWarning`` naming the re
 from __future__ import annotations
 
 import dataclasses
+import base64
 import hashlib
 import json
 import math
@@ -54,6 +55,9 @@ class RunConfig:
     id: str = "swarm-default"
     seed: int = 1234
     protocol_version: int = PROTOCOL_VERSION
+    # the organisers' Ed25519 public key (base64): only a manifest signed by it joins this run, and
+    # the run's DHT records live under its fingerprint. Empty: an unsigned run (local swarms only)
+    organiser: str = ""
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,14 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True)
+class SignatureConfig:
+    """``[signature]``: the organiser's Ed25519 signature (base64) over the manifest hash, written by
+    ``swarm-node manifest sign``. Not a consensus field: it signs them."""
+
+    ed25519: str = ""
+
+
+@dataclass(frozen=True)
 class Manifest:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -234,6 +246,7 @@ class Manifest:
     asyncmesh: AsyncMeshConfig = field(default_factory=AsyncMeshConfig)
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    signature: SignatureConfig = field(default_factory=SignatureConfig)
 
     @property
     def k(self) -> int:
@@ -260,6 +273,7 @@ class Manifest:
 # Sections and fields peers must agree on. train/data.batch_size are local choices.
 _LOCAL_ONLY = {
     "train": None,  # whole section local
+    "signature": None,  # signs the consensus fields, is not one
     "data": ("batch_size", "path"),
 }
 
@@ -287,6 +301,7 @@ def _section_class(name: str) -> type:
         "asyncmesh": AsyncMeshConfig,
         "sentinel": SentinelConfig,
         "warmup": WarmupConfig,
+        "signature": SignatureConfig,
     }[name]
 
 
@@ -426,11 +441,23 @@ def shipped_manifest_path(name: str) -> Path | None:
     return None
 
 
+def _is_ed25519_public_b64(text: str) -> bool:
+    try:
+        return len(base64.b64decode(text, validate=True)) == 32
+    except (ValueError, TypeError):
+        return False
+
+
 def validate_manifest(m: Manifest) -> None:
     """Raise ManifestError with a specific message for the first problem found."""
     md = m.model
     if not m.run.id or not m.run.id.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ManifestError(f"run.id: must be non-empty [A-Za-z0-9._-], got {m.run.id!r}")
+    if m.run.organiser and not _is_ed25519_public_b64(m.run.organiser):
+        raise ManifestError(f"run.organiser: expected an Ed25519 public key in base64 (44 characters), "
+                            f"got {m.run.organiser[:60]!r}; copy it from `swarm-node manifest keygen`")
+    if m.signature.ed25519 and not m.run.organiser:
+        raise ManifestError("[signature] without run.organiser: a signature needs the organiser key it verifies with")
     if m.run.protocol_version != PROTOCOL_VERSION:
         raise ManifestError(
             f"run.protocol_version: this node speaks version {PROTOCOL_VERSION}, "
@@ -558,7 +585,8 @@ def validate_manifest(m: Manifest) -> None:
 
 
 def consensus_dict(m: Manifest) -> dict[str, Any]:
-    """The fields every peer of the run must agree on (local-only choices removed)."""
+    """The fields every peer of the run must agree on (local-only choices removed; an unsigned
+    run's empty ``run.organiser`` is left out, so its hash is what it was before the field)."""
     data = m.to_dict()
     for section, fields in _LOCAL_ONLY.items():
         if fields is None:
@@ -566,13 +594,46 @@ def consensus_dict(m: Manifest) -> dict[str, Any]:
         else:
             for f in fields:
                 data[section].pop(f, None)
+    if not data["run"].get("organiser"):
+        data["run"].pop("organiser", None)
     return data
 
 
-def manifest_hash(m: Manifest) -> str:
-    """Canonical hash (hex SHA-256 of sorted-key compact JSON of the consensus fields)."""
-    blob = json.dumps(consensus_dict(m), sort_keys=True, separators=(",", ":"))
+def consensus_hash(consensus: dict[str, Any]) -> str:
+    """Hex SHA-256 of sorted-key compact JSON of a consensus dict (``manifest_hash`` of a manifest;
+    also what a DHT node checks a published manifest record against)."""
+    blob = json.dumps(consensus, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def manifest_hash(m: Manifest) -> str:
+    """Canonical hash of the consensus fields (``consensus_hash(consensus_dict(m))``)."""
+    return consensus_hash(consensus_dict(m))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def manifest_toml(m: Manifest) -> str:
+    """The manifest as TOML text that ``load_manifest`` reads back to an equal manifest (every
+    field written out; an empty ``[signature]`` is left out)."""
+    lines = []
+    for section, values in m.to_dict().items():
+        if section == "signature" and not any(values.values()):
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def diff_manifests(a: Manifest, b: Manifest) -> list[str]:

@@ -58,11 +58,11 @@ def test_every_compose_command_is_accepted_by_the_cli():
             continue
         for argv in _swarm_node_commands(svc["command"][0]):
             args = parser.parse_args(argv)  # SystemExit on an unknown flag fails the test
-            assert args.command in ("run", "bootstrap", "keygen")
+            assert args.command in ("run", "bootstrap", "keygen", "manifest")
             if args.command == "run":
                 assert args.metrics_host == "0.0.0.0", f"{name}: Prometheus must reach the metrics port"
             seen += 1
-    assert seen >= 9  # keygen + bootstrap, keygen + run for four nodes
+    assert seen >= 11  # keygen, manifest keygen + sign, bootstrap; keygen + run for four nodes
 
 
 def test_grafana_provisioning_points_at_the_dashboard():

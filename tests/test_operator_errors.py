@@ -56,6 +56,14 @@ def outcomes(tmp_path_factory):
         from node.ops import write_manifest
         from stages import load_manifest
 
+        # signed by an organiser key, then changed: the signature no longer verifies
+        from node.ops.manifest_cmd import sign_manifest
+        from security import OrganiserKey
+        from stages import manifest_toml
+
+        signed = sign_manifest(load_manifest("test"), OrganiserKey.generate())
+        tampered = tmp / "tampered.toml"
+        tampered.write_text(manifest_toml(signed).replace("seed = 7", "seed = 8"))
         huge = write_manifest(load_manifest("test").replace(model={"d_model": 16384, "n_heads": 16}),
                               tmp / "huge.toml")
         # ports held by someone else
@@ -68,19 +76,22 @@ def outcomes(tmp_path_factory):
         held += [busy_metrics, busy_listen]
         mport, lport = busy_metrics.getsockname()[1], busy_listen.getsockname()[1]
         dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{boot_id}"
-        base = ["run", "--local", "--manifest", "test", "--stage", "0", "--torch-threads", "1"]
+        base = ["run", "--local", "--allow-unsigned", "--manifest", "test", "--stage", "0", "--torch-threads", "1"]
         cases = {
             "unreachable": base + ["--metrics-port", "-1", "--initial-peers", dead,
                                    "--bootstrap-retries", "2", "--bootstrap-timeout", "3"],
-            "mismatch": ["run", "--local", "--manifest", str(other), "--stage", "0", "--metrics-port", "-1",
+            "mismatch": ["run", "--local", "--allow-unsigned", "--manifest", str(other), "--stage", "0", "--metrics-port", "-1",
                          "--initial-peers", *peers],
             "metrics_port": base + ["--metrics-port", str(mport), "--initial-peers", *peers],
             "listen_port": base + ["--metrics-port", "-1", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{lport}",
                                    "--initial-peers", *peers],
             "world_readable": base + ["--metrics-port", "-1", "--identity", str(open_key), "--initial-peers", *peers],
-            "too_big": ["run", "--local", "--manifest", str(huge), "--stage", "1", "--metrics-port", "-1"],
-            "no_manifest": ["run", "--local", "--manifest", str(tmp / "nope.toml"), "--metrics-port", "-1"],
+            "too_big": ["run", "--local", "--allow-unsigned", "--manifest", str(huge), "--stage", "1", "--metrics-port", "-1"],
+            "no_manifest": ["run", "--local", "--allow-unsigned", "--manifest", str(tmp / "nope.toml"), "--metrics-port", "-1"],
             "stage_range": base[:-4] + ["--stage", "7", "--metrics-port", "-1"],
+            "unsigned": ["run", "--local", "--manifest", "test", "--metrics-port", "-1"],
+            "unsigned_public": ["run", "--allow-unsigned", "--manifest", "test", "--metrics-port", "-1"],
+            "tampered": ["run", "--local", "--manifest", str(tampered), "--metrics-port", "-1"],
         }
         procs = {}
         for name, argv in cases.items():
@@ -135,6 +146,19 @@ def test_manifest_mismatch_names_the_differing_fields(outcomes):
     assert "manifest mismatch" in line and "model.seq_len, optim.lr" in line
     assert "train.max_inflight" not in line  # a local choice, not a consensus field
     assert "use the swarm's manifest" in line
+
+
+def test_an_unsigned_manifest_is_refused_unless_local_and_allowed(outcomes):
+    line = check(outcomes, "unsigned")
+    assert "is not signed" in line and "swarm-node manifest sign" in line and "--allow-unsigned" in line
+    line = check(outcomes, "unsigned_public")
+    assert "--allow-unsigned is for a swarm on this machine only" in line
+
+
+def test_a_tampered_manifest_is_refused_before_anything_starts(outcomes):
+    line = check(outcomes, "tampered")
+    assert "signature does not verify" in line and "get the signed manifest from the run's organisers" in line
+    assert outcomes["tampered"][3] < 60  # refused at once, before the DHT
 
 
 def test_metrics_port_in_use(outcomes):

@@ -9,6 +9,9 @@ from node import lazy_face
 # name -> the module that defines it; loaded on first use, so importing this package
 # imports nothing heavy (hivemind, py-libp2p) until a name that needs it is used
 _EXPORTS = {
+    "ForgeryCounter": "node.net.records",
+    "ephemeral_identity": "node.net.identity",
+    "run_namespace": "node.net.membership",
     "BootstrapError": "node.net.membership",
     "CapacityMeter": "node.net.routing",
     "IdentityInUse": "node.net.membership",

@@ -1,7 +1,8 @@
 """Persistent libp2p identities: ``swarm-node keygen PATH`` and the checks a node runs on its key.
 
-A node's peer id is the hash of its public key, so a node that restarts with the same key file
-keeps its peer id (its DHT records, reputation and routes stay valid). The file is what
+The key format and signatures are ``security.identity``'s (pure); this module reads and writes
+the files and checks whether an identity is online. A node's peer id is the hash of its public
+key, so a node that restarts with the same key file keeps its peer id (its DHT records, reputation and routes stay valid). The file is what
 go-libp2p's daemon reads with ``p2pd -id FILE``: the libp2p ``PrivateKey`` protobuf
 (``KeyType`` field 1, key bytes field 2). We write Ed25519 keys (64 bytes: seed then public key),
 which every libp2p implementation supports and whose peer ids (``12D3KooW...``) embed the public
@@ -13,136 +14,13 @@ an identity that is already online (two daemons with one peer id break routing f
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
 from pathlib import Path
 
 from node.ops import CliError
-
-KEY_RSA, KEY_ED25519 = 0, 1
-_ED25519_PRIVATE_LEN = 64  # seed (32) + public key (32), the libp2p encoding
-_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-
-
-# ----------------------------------------------------------------------------- encoding
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("truncated varint")
-        b = data[pos]
-        pos += 1
-        n |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return n, pos
-
-
-def _key_message(key_type: int, data: bytes) -> bytes:
-    """The libp2p ``PrivateKey``/``PublicKey`` protobuf: field 1 varint, field 2 bytes."""
-    return b"\x08" + _varint(key_type) + b"\x12" + _varint(len(data)) + data
-
-
-def _parse_key_message(blob: bytes) -> tuple[int, bytes]:
-    fields: dict[int, int | bytes] = {}
-    pos = 0
-    while pos < len(blob):
-        tag, pos = _read_varint(blob, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            fields[number], pos = _read_varint(blob, pos)
-        elif wire == 2:
-            n, pos = _read_varint(blob, pos)
-            if pos + n > len(blob):
-                raise ValueError("truncated field")
-            fields[number], pos = blob[pos : pos + n], pos + n
-        else:
-            raise ValueError(f"unexpected protobuf wire type {wire}")
-    key_type, data = fields.get(1), fields.get(2)
-    if not isinstance(key_type, int) or not isinstance(data, bytes):
-        raise ValueError("missing key type or key data")
-    return key_type, data
-
-
-def _b58encode(raw: bytes) -> str:
-    n = int.from_bytes(raw, "big")
-    out = []
-    while n:
-        n, r = divmod(n, 58)
-        out.append(_B58[r])
-    pad = len(raw) - len(raw.lstrip(b"\0"))
-    return "1" * pad + "".join(reversed(out))
-
-
-def _peer_id_from_public(key_type: int, public: bytes) -> str:
-    """libp2p peer id: the protobuf-encoded public key as an identity multihash if it is at most
-    42 bytes (Ed25519), else its sha2-256 multihash (RSA)."""
-    encoded = _key_message(key_type, public)
-    if len(encoded) <= 42:
-        mh = b"\x00" + _varint(len(encoded)) + encoded
-    else:
-        mh = b"\x12\x20" + hashlib.sha256(encoded).digest()
-    return _b58encode(mh)
-
-
-def new_ed25519_key() -> bytes:
-    """A fresh Ed25519 identity in the libp2p private-key file format."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    key = Ed25519PrivateKey.generate()
-    raw = serialization.Encoding.Raw
-    seed = key.private_bytes(raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
-    public = key.public_key().public_bytes(raw, serialization.PublicFormat.Raw)
-    return _key_message(KEY_ED25519, seed + public)
-
-
-def peer_id_from_key(blob: bytes) -> str:
-    """Peer id (base58) of a private key in the libp2p file format; ``ValueError`` if it is not one."""
-    try:
-        key_type, data = _parse_key_message(blob)
-    except ValueError as e:
-        raise ValueError(f"not a libp2p private key ({e})") from None
-    if key_type == KEY_ED25519:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-        if len(data) not in (_ED25519_PRIVATE_LEN, 96):  # 96: old go-libp2p with a redundant copy
-            raise ValueError(f"Ed25519 key data is {len(data)} bytes, expected 64")
-        seed, public = data[:32], data[32:64]
-        derived = Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
-        if derived != public:
-            raise ValueError("Ed25519 key: the public half does not match the seed (corrupted file)")
-        return _peer_id_from_public(KEY_ED25519, public)
-    if key_type == KEY_RSA:
-        from cryptography.hazmat.primitives import serialization
-
-        try:
-            key = serialization.load_der_private_key(data, password=None)
-            public = key.public_key().public_bytes(
-                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        except Exception as e:
-            raise ValueError(f"RSA key data does not parse: {e}") from None
-        return _peer_id_from_public(KEY_RSA, public)
-    raise ValueError(f"key type {key_type} is not supported (Ed25519 or RSA)")
-
+from security import new_ed25519_key, peer_id_from_key  # noqa: F401 - the key codec lives in security/
 
 # ----------------------------------------------------------------------------- files
 
@@ -171,6 +49,15 @@ def write_identity(path: str | os.PathLike, *, force: bool = False) -> str:
         _unlink_quietly(tmp)
         raise
     return peer_id_from_key(blob)
+
+
+def ephemeral_identity() -> Path:
+    """A fresh identity for one run of a node started without ``--identity``, in a private
+    temporary directory (mode 0700, key 0600); the node signs its DHT records with it. Remove it
+    with ``shutil.rmtree(path.parent)`` when the node exits."""
+    path = Path(tempfile.mkdtemp(prefix="swarm-node-identity-")) / "identity.key"
+    write_identity(path)
+    return path
 
 
 def _unlink_quietly(p: str) -> None:

@@ -1,19 +1,26 @@
 """Membership: who is in the swarm, which stage each peer holds, and whether we may join.
 
-Everything lives in ``hivemind.DHT`` under two keys per run:
+Everything lives in ``hivemind.DHT`` under two keys in the run's namespace, ``swarm-node/<run>/<f>``
+where ``f`` is the fingerprint of the run's organiser key (``swarm-node/<run>`` for an unsigned,
+local-only run), so two organisers' runs never share records even under one run id:
 
-``swarm-node/<run>/manifest``
-    ``{hash, manifest, protocol}``: the consensus fields of the run manifest and their hash. The
-    first node of a run publishes it; every later node compares its own manifest against it and
-    refuses to join on a mismatch, naming the differing fields (``diff_manifests``), which is
-    why the whole consensus dict is published, not only its hash. Online nodes refresh it.
+``<namespace>/manifest``
+    one entry, subkey ``manifest:<organiser key>``: ``{hash, manifest, protocol, organiser,
+    signature}``, the consensus fields of the run manifest, their hash and the organiser's
+    signature. Every node re-publishes it; the record validator (``records.py``) refuses any
+    other content under that subkey, so only the organisers can publish a different manifest. A
+    node compares its own manifest against it and refuses to join on a mismatch, naming the
+    differing fields (``diff_manifests``), which is why the whole consensus dict is published.
 
-``swarm-node/<run>/peers``
-    one subkey per peer, holding ``{peer_id, stage, state, throughput, capacity, queue, version,
-    protocol, maddrs, time}``. Subkeys carry the writer's RSA public key and values its signature
-    (hivemind's ``RSASignatureValidator``), so only a peer can write or refresh its own entry.
-    Entries expire ``ttl`` seconds after their last refresh, so a peer that vanishes (kill -9,
-    cable cut) drops out of everyone's view on its own.
+``<namespace>/peers``
+    one entry per peer, subkey ``peer:<peer id>``, holding ``{peer_id, stage, state, throughput,
+    capacity, queue, version, protocol, maddrs, time}``, signed with that peer's libp2p identity
+    key (``records.SwarmRecordValidator``): only a peer can write or refresh its own entry, and
+    no field of it can be changed by anyone else. Entries expire ``ttl`` seconds after their last
+    refresh, so a peer that vanishes (kill -9, cable cut) drops out of everyone's view on its own.
+
+Readers trust only entries whose subkey binds them (a ``peer:`` subkey naming the record's own
+peer id, the ``manifest:`` subkey of the run's organiser) and count the rest as forged.
 
 The DHT runs in a child process (hivemind's design) that starts its own ``p2pd``. The node's
 stream transport shares that daemon through ``await dht.replicate_p2p()``. ``SwarmDHT`` makes
@@ -33,12 +40,13 @@ import time
 from dataclasses import dataclass, field
 
 import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from node.net.records import ForgeryCounter, SwarmRecordValidator, manifest_subkey, peer_subkey
 from node.net.routing import announced_rate
 from node.ops import processes
 from protocol import PROTOCOL_VERSION
+from security import PeerKey, organiser_fingerprint
 from stages import (
     Manifest,
     ManifestError,
@@ -140,17 +148,22 @@ def start_dht(
     retries: int = 4,
     timeout: float = 15.0,
     retry_delay: float = 1.0,
+    forgeries: ForgeryCounter | None = None,
 ) -> SwarmDHT:
     """Start the DHT (and its p2pd), bootstrapping from ``initial_peers`` with retries.
 
-    Raises ``BootstrapError`` naming the peers and the fix when none answers after ``retries``
-    attempts, ``IdentityInUse`` when the key's peer id is already online. Call from the main thread.
+    Every record passes ``records.SwarmRecordValidator``: this node's own announcements are signed
+    with the key in ``identity_path`` (a node started without one validates only), and forged ones
+    are refused and counted in ``forgeries``. Raises ``BootstrapError`` naming the peers and the fix
+    when none answers after ``retries`` attempts, ``IdentityInUse`` when the key's peer id is
+    already online. Call from the main thread.
     """
+    key = PeerKey(open(identity_path, "rb").read()) if identity_path else None
     kwargs = dict(
         host_maddrs=host_maddrs,
         announce_maddrs=announce_maddrs or None,
         identity_path=identity_path or None,
-        record_validators=[RSASignatureValidator()],
+        record_validators=[SwarmRecordValidator(key, forgeries)],
         startup_timeout=timeout,
         bootstrap_timeout=min(timeout, 5.0),
         wait_timeout=3,
@@ -294,9 +307,17 @@ def choose_stage(records: list[PeerRecord], n_stages: int) -> int:
     return min(range(n_stages), key=lambda s: (tput[s], count[s], s))
 
 
+def run_namespace(manifest: Manifest) -> str:
+    """The run's DHT namespace: ``swarm-node/<run id>/<organiser fingerprint>`` (no fingerprint for
+    an unsigned run)."""
+    organiser = manifest.run.organiser
+    return f"swarm-node/{manifest.run.id}" + (f"/{organiser_fingerprint(organiser)}" if organiser else "")
+
+
 class Membership:
     """Reads and writes this run's records in the DHT. Sync methods block (startup), ``a*`` methods
-    are for the event loop."""
+    are for the event loop. Entries a reader refuses (see the module docstring) are counted in
+    ``self.forged`` by kind."""
 
     def __init__(self, dht: hivemind.DHT, manifest: Manifest, ttl: float = 20.0):
         self.dht = dht
@@ -304,19 +325,43 @@ class Membership:
         self.run = manifest.run.id
         self.hash = manifest_hash(manifest)
         self.ttl = ttl
-        self.key_manifest = f"swarm-node/{self.run}/manifest"
-        self.key_peers = f"swarm-node/{self.run}/peers"
-        self.subkey = RSASignatureValidator().local_public_key  # process-wide key, shared with the DHT child
+        namespace = run_namespace(manifest)
+        self.key_manifest = f"{namespace}/manifest"
+        self.key_peers = f"{namespace}/peers"
+        self.manifest_subkey = manifest_subkey(manifest.run.organiser)
+        self.subkey = peer_subkey(dht.peer_id.to_base58())
+        self.forged = {"peer": 0, "manifest": 0}
+        self._seen_forged: set = set()  # (kind, subkey, expiration) already counted
+
+    def _count_forged(self, kind: str, subkey, expiration: float) -> None:
+        mark = (kind, repr(subkey)[:200], expiration)
+        if mark not in self._seen_forged:
+            if len(self._seen_forged) > 10_000:
+                self._seen_forged.clear()
+            self._seen_forged.add(mark)
+            self.forged[kind] += 1
 
     # ---- manifest
 
     def _manifest_value(self) -> dict:
-        return {"hash": self.hash, "manifest": consensus_dict(self.manifest), "protocol": PROTOCOL_VERSION}
+        return {"hash": self.hash, "manifest": consensus_dict(self.manifest), "protocol": PROTOCOL_VERSION,
+                "organiser": self.manifest.run.organiser, "signature": self.manifest.signature.ed25519}
 
     def _check_published(self, found) -> bool:
+        """True if the swarm publishes our manifest under the organiser's subkey; raise
+        ``ManifestMismatch`` if it publishes another one there. Entries under any other subkey
+        (another organiser's key, or none) are not this run's: counted, never believed."""
         if found is None or not isinstance(found.value, dict):
             return False
-        theirs = found.value
+        ours = None
+        for subkey, entry in found.value.items():
+            if subkey == self.manifest_subkey:
+                ours = entry
+            else:
+                self._count_forged("manifest", subkey, getattr(entry, "expiration_time", 0.0))
+        theirs = getattr(ours, "value", None)
+        if not isinstance(theirs, dict):
+            return False
         their_hash = str(theirs.get("hash", ""))
         if their_hash == self.hash:
             return True
@@ -328,20 +373,23 @@ class Membership:
             log.warning("the swarm's published manifest does not parse here: %s", e)
         raise ManifestMismatch(self.run, fields, their_hash, self.hash)
 
+    def _store_manifest(self, **kwargs):
+        return self.dht.store(self.key_manifest, self._manifest_value(), get_dht_time() + self.ttl * 3,
+                              subkey=self.manifest_subkey, **kwargs)
+
     def check_and_publish_manifest(self) -> bool:
         """Raise ``ManifestMismatch`` if the swarm runs a different manifest; publish ours if none is
         published yet. Returns True when the swarm already had (our) manifest."""
         found = self.dht.get(self.key_manifest, latest=True)
         if self._check_published(found):
             return True
-        self.dht.store(self.key_manifest, self._manifest_value(), get_dht_time() + self.ttl * 3)
+        self._store_manifest()
         return False
 
     async def arefresh_manifest(self, timeout: float = 10.0) -> None:
         found = await asyncio.wait_for(self.dht.get(self.key_manifest, latest=True, return_future=True), timeout)
         self._check_published(found)
-        await asyncio.wait_for(self.dht.store(self.key_manifest, self._manifest_value(),
-                                              get_dht_time() + self.ttl * 3, return_future=True), timeout)
+        await asyncio.wait_for(self._store_manifest(return_future=True), timeout)
 
     # ---- peers
 
@@ -349,10 +397,14 @@ class Membership:
         if found is None or not isinstance(found.value, dict):
             return []
         out = {}
-        for entry in found.value.values():
+        for subkey, entry in found.value.items():
             value = getattr(entry, "value", None)
-            rec = PeerRecord.from_value(value, getattr(entry, "expiration_time", 0.0))
+            expiration = getattr(entry, "expiration_time", 0.0)
+            rec = PeerRecord.from_value(value, expiration)
             if rec is None or rec.protocol != PROTOCOL_VERSION:
+                continue
+            if subkey != peer_subkey(rec.peer_id):  # not signed by the peer it names
+                self._count_forged("peer", subkey, expiration)
                 continue
             prev = out.get(rec.peer_id)
             if prev is None or rec.time > prev.time:

@@ -65,6 +65,11 @@ def _main(args) -> int:
             manifest = load_manifest(args.manifest)
         except ManifestError as e:
             raise CliError(f"--manifest {args.manifest}: {e}") from None
+        from security import manifest_signature_problem
+
+        problem = manifest_signature_problem(manifest) if manifest.run.organiser else None
+        if problem is not None:
+            raise CliError(f"--manifest {args.manifest}: {problem}; publish the organisers' signed file")
 
     from node.net import BootstrapError, ManifestMismatch, Membership, start_dht, stop_dht
 

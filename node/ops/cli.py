@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bootstrap": ("node.ops.bootstrap", "run a DHT-only entry peer and print its multiaddrs"),
     "train-local": ("node.ops.train_local", "train the chained stages in one process (the reference baseline)"),
     "keygen": ("node.net.identity", "write a persistent libp2p identity key (mode 0600)"),
+    "manifest": ("node.ops.manifest_cmd", "organisers: create a run key, sign a manifest, verify one"),
     "status": ("node.ops.status", "show a node's stage, state, peers, throughput, capacity and loss"),
     "probe": ("node.net.probe", "dial a node with py-libp2p (a second libp2p implementation) and test it"),
     "doctor": ("node.ops.doctor", "check this machine: torch/CUDA, memory, ports, p2pd, clock, identity"),

@@ -58,6 +58,7 @@ class NodeConfig:
     peer_labels: bool = False  # per-peer labels on metrics (cardinality grows with the swarm)
     attack: str = ""  # testing only: corrupt what this node sends (needs allow_attacks)
     allow_attacks: bool = False
+    allow_unsigned: bool = False  # LOCAL ONLY: accept a manifest without an organiser signature
     seed: int = 0  # local randomness (microbatch ids, routing ties); 0: from the OS
     averaging: bool = True  # background sparse averaging with the other replicas of our stage
     json_log: str = ""  # append one JSON object per optimizer step (step, time, tokens, loss, look-ahead) here
@@ -96,6 +97,7 @@ _HELP = {
     "peer_labels": "label metrics by peer id (off by default: cardinality grows with the swarm)",
     "attack": "TESTING ONLY: corrupt what this node sends with the named attack (needs --allow-attacks)",
     "allow_attacks": "TESTING ONLY: permit --attack",
+    "allow_unsigned": "LOCAL SWARMS ONLY: accept an unsigned manifest (refused unless every listen address is loopback)",
     "seed": "local random seed for microbatch ids and routing ties (0: from the OS)",
     "averaging": "average a slice of the weights with the other replicas of this stage (AsyncMesh)",
     "json_log": "append one JSON object per optimizer step (step, time, tokens, loss on the tail, look-ahead) to this file",
@@ -261,6 +263,17 @@ def validate_config(cfg: NodeConfig) -> None:
             raise CliError(f"multiaddr {m!r} must start with '/', e.g. /ip4/203.0.113.7/tcp/31337/p2p/Qm...")
     if cfg.local:
         cfg.host_maddrs = [m.replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/") for m in cfg.host_maddrs]
+    if cfg.allow_unsigned and (cfg.announce_maddrs or not all(is_loopback(m) for m in cfg.host_maddrs)):
+        raise CliError("--allow-unsigned is for a swarm on this machine only: it needs --local (or every "
+                       "--host-maddrs on 127.0.0.1) and no --announce-maddrs; a public node runs a signed manifest "
+                       "(swarm-node manifest sign)")
+
+
+def is_loopback(maddr: str) -> bool:
+    """Whether a multiaddr listens on a loopback address only (``/ip4/127.x``, ``/ip6/::1``)."""
+    parts = maddr.strip("/").split("/")
+    return len(parts) >= 2 and ((parts[0] == "ip4" and parts[1].startswith("127.")) or
+                                (parts[0] == "ip6" and parts[1] == "::1"))
 
 
 def tcp_ports(maddrs: list[str]) -> list[tuple[str, int]]:

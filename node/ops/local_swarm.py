@@ -9,7 +9,6 @@ URL, peer id, ``online``) and ``NAME.err`` (logs) in the swarm's work dir.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -62,30 +61,13 @@ def metric_sum(metrics: dict[str, float], name: str, **labels) -> float:
     return total
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
 def write_manifest(manifest, path: str | Path) -> Path:
     """Write a ``Manifest`` as a TOML file ``load_manifest`` reads back to an equal manifest (for
     launching swarms on a variant of a shipped run: ``m.replace(sentinel={"enabled": False})``)."""
-    from stages import load_manifest
+    from stages import load_manifest, manifest_toml
 
-    lines = []
-    for section, values in manifest.to_dict().items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-        lines.append("")
     path = Path(path)
-    path.write_text("\n".join(lines))
+    path.write_text(manifest_toml(manifest))
     if load_manifest(path) != manifest:
         raise ValueError(f"{path}: the written manifest does not read back equal")
     return path
@@ -129,6 +111,10 @@ class LocalSwarm:
                  python: str = sys.executable, announce_every: float = 1.0, torch_threads: int = 1,
                  env: dict | None = None, node_args: list[str] | None = None):
         self.manifest = str(manifest)
+        from stages import load_manifest
+
+        # an unsigned manifest runs on this machine only, with the flag that says so
+        self._unsigned = [] if load_manifest(self.manifest).run.organiser else ["--allow-unsigned"]
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="swarm-node-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -174,7 +160,8 @@ class LocalSwarm:
         self._count += 1
         name = name or f"stage{stage}-{self._count}"
         port = metrics_port or free_port()
-        argv = ["--log-level", log_level, "run", "--local", "--manifest", self.manifest, "--stage", str(stage),
+        argv = ["--log-level", log_level, "run", "--local", *self._unsigned, "--manifest", self.manifest,
+                "--stage", str(stage),
                 "--metrics-port", str(port), "--announce-every", str(self.announce_every),
                 "--torch-threads", str(self.torch_threads)]
         if self.initial_peers:

@@ -80,7 +80,9 @@ class NodeMetrics:
         self.served = Counter("swarm_node_served", "Incoming requests by protocol and result",
                               ["protocol", "result"], registry=r)
         self._wire_source = None
+        self._forged_source = None
         r.register(_WireBytes(self))
+        r.register(_Forged(self))
         self._averaging_source = None
         r.register(_Averaging(self))
         self._busy_source = None
@@ -139,6 +141,13 @@ class NodeMetrics:
         """``source()`` -> seconds the compute worker has been busy (utilisation = its rate)."""
         self._busy_source = source
 
+    def attach_forgeries(self, source) -> None:
+        """``source()`` -> ``{(kind, check): count}`` of DHT records refused as forged, read at every
+        scrape. kind: ``peer`` (announcements), ``manifest``, ``averaging`` (matchmaking), ``plain``
+        (a plain value that would replace a dictionary); check ``signature``: refused by the record
+        validator, ``binding``: a stored entry whose subkey does not bind what it claims."""
+        self._forged_source = source
+
     def attach_averaging(self, source) -> None:
         """``source()`` -> ``node.net.averaging.AveragingStats.as_dict()``, read at every scrape."""
         self._averaging_source = source
@@ -178,6 +187,29 @@ class _WireBytes:
             counts[key] = counts.get(key, 0) + n
         for (proto, direction), n in sorted(counts.items()):
             fam.add_metric([proto, direction], float(n))
+        yield fam
+
+
+class _Forged:
+    """``swarm_node_forged_records_total{kind, check}`` (see ``NodeMetrics.attach_forgeries``)."""
+
+    NAME, HELP = "swarm_node_forged_records", "DHT records refused as forged or unbound to their writer"
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return [CounterMetricFamily(self.NAME, self.HELP, labels=["kind", "check"])]
+
+    def collect(self):
+        source = self.metrics._forged_source
+        counts = {(k, "signature"): 0 for k in ("peer", "manifest", "averaging", "plain")}
+        counts.update({(k, "binding"): 0 for k in ("peer", "manifest")})
+        if source is not None:
+            counts.update(source())
+        fam = CounterMetricFamily(self.NAME, self.HELP, labels=["kind", "check"])
+        for (kind, check), n in sorted(counts.items()):
+            fam.add_metric([kind, check], float(n))
         yield fam
 
 

@@ -1,0 +1,143 @@
+"""A stranger with a plain hivemind DHT client and the bootstrap address tries to stop a signed run:
+it publishes a forged manifest before anyone joins, then keeps re-publishing forged manifests and
+forged records for every peer (draining, huge capacity, newer time), plain values that would replace
+the run's dictionaries, and a peer that does not exist. Nothing of it is believed: the swarm joins,
+trains without a pause, takes a new replica, and counts the forgeries. A node holding a manifest
+signed by another key runs alone, in its own namespace: honest nodes never route to it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from node.net.membership import run_namespace
+from node.net.records import manifest_subkey, peer_subkey
+from node.ops import LocalSwarm
+from node.ops.local_swarm import p2pd_pids_of
+from node.ops.manifest_cmd import sign_manifest
+from security import OrganiserKey, PeerKey, new_ed25519_key
+from tests.helpers.attack_drill import peer_id_of
+from stages import consensus_dict, load_manifest, manifest_hash, manifest_toml
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+LOOPBACK = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False, auto_nat=False,
+                nat_port_map=False)
+
+
+def _write(tmp_path, name, manifest):
+    path = tmp_path / name
+    path.write_text(manifest_toml(manifest))
+    return path
+
+
+class Forger:
+    """A plain DHT client (hivemind's, no validator) rewriting a run's records as fast as it can."""
+
+    def __init__(self, initial_peers, manifest, forged_manifest):
+        self.dht = hivemind.DHT(initial_peers=initial_peers, start=True, **LOOPBACK)
+        ns = run_namespace(manifest)
+        self.key_manifest, self.key_peers = f"{ns}/manifest", f"{ns}/peers"
+        self.organiser = manifest.run.organiser
+        self.forged = forged_manifest
+        self.victims: list[str] = []
+        self.fake = PeerKey(new_ed25519_key()).peer_id  # a peer that does not exist
+        self.rounds = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def forge_once(self) -> None:
+        exp = get_dht_time() + 240
+        forged = {"hash": manifest_hash(self.forged), "manifest": consensus_dict(self.forged), "protocol": 1,
+                  "organiser": self.forged.run.organiser, "signature": self.forged.signature.ed25519}
+        self.dht.store(self.key_manifest, {**forged, "organiser": self.organiser}, exp,
+                       subkey=manifest_subkey(self.organiser))  # under the organiser's name
+        self.dht.store(self.key_manifest, forged, exp, subkey=manifest_subkey(self.forged.run.organiser))
+        self.dht.store(self.key_manifest, forged, exp)  # a plain value: would replace the dictionary
+        self.dht.store(self.key_peers, {"x": 1}, exp)
+        for pid in [*self.victims, self.fake]:
+            rec = {"peer_id": pid, "stage": 1, "state": "draining" if pid != self.fake else "online",
+                   "throughput": 1e9, "capacity": 1e9, "queue": 0, "version": 10**6, "protocol": 1,
+                   "maddrs": [f"/ip4/127.0.0.1/tcp/9/p2p/{pid}"], "time": time.time() + 3600}
+            self.dht.store(self.key_peers, rec, exp, subkey=peer_subkey(pid))
+            self.dht.store(self.key_peers, rec, exp, subkey=f"forger:{pid}")
+        self.rounds += 1
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                self.forge_once()
+            except Exception:  # noqa: BLE001 - a forger keeps trying
+                pass
+            self._stop.wait(0.5)
+
+    def start(self):
+        self._thread.start()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(30)
+        self.dht.shutdown()
+
+
+def test_a_dht_forger_changes_nothing_in_a_signed_run(tmp_path):
+    base = load_manifest("test").replace(sentinel={"enabled": False})
+    signed = sign_manifest(base, OrganiserKey.generate())
+    path = _write(tmp_path, "run.toml", signed)
+    # the forger's own "run": the same run id, other training settings, signed with the forger's key
+    forged = sign_manifest(base.replace(optim={"lr": 0.5}), OrganiserKey.generate())
+    forged_path = _write(tmp_path, "forged.toml", forged)
+
+    sw = LocalSwarm(str(path), workdir=tmp_path / "swarm")
+    forger = None
+    try:
+        peers = sw.start_bootstrap(publish_manifest=False)
+        forger = Forger(peers, signed, forged)
+        forger.forge_once()  # the forged manifest is published before any honest node joins
+        forger.start()
+        head, body, tail = [sw.start_node(i, name=f"stage{i}") for i in range(3)]
+        sw.wait_ready(timeout=200)
+        forger.victims = [n for n in (peer_id_of(x) for x in (head, body, tail)) if n]
+        assert len(forger.victims) == 3
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sw.value(tail, "swarm_node_steps_total") < 20:
+            time.sleep(0.5)
+        assert sw.value(tail, "swarm_node_steps_total") >= 20, tail.logs()[-3000:]
+
+        # ---- forging goes on; training never pauses; a new replica and the forger's own node join
+        rounds0 = forger.rounds
+        joiner = sw.start_node(1, name="stage1-new")
+        rogue = sw.start_node(1, name="rogue", extra=["--manifest", str(forged_path)])  # the last --manifest wins
+        steps, last_change, worst_gap = sw.value(tail, "swarm_node_steps_total"), time.monotonic(), 0.0
+        window_end = time.monotonic() + 40
+        while time.monotonic() < window_end:
+            now_steps = sw.value(tail, "swarm_node_steps_total")
+            if now_steps > steps:
+                steps, worst_gap, last_change = now_steps, max(worst_gap, time.monotonic() - last_change), time.monotonic()
+            assert all(n.proc.poll() is None for n in (head, body, tail, joiner)), [n.logs()[-2000:] for n in sw.nodes]
+            time.sleep(0.25)
+        worst_gap = max(worst_gap, time.monotonic() - last_change)
+        assert forger.rounds - rounds0 >= 10  # it really kept forging during the window
+        assert worst_gap < 8.0, worst_gap  # the tail kept stepping
+
+        # the honest joiner came online and was given work
+        assert sw.value(joiner, "swarm_node_state", state="online") == 1, joiner.logs()[-3000:]
+        assert sw.value(joiner, "swarm_node_served_total", protocol="fwd", result="ack") > 0
+        # routing believes only signed, bound records: two replicas of stage 1, the fake and the
+        # forger's node (another namespace) are not among them
+        assert sw.value(head, "swarm_node_peers", stage="1") == 2
+        assert sw.value(rogue, "swarm_node_served_total", protocol="fwd") == 0
+        for n in (head, body, tail, joiner):
+            assert "manifest mismatch" not in n.logs(), n.logs()[-2000:]
+        forged_counts = sum(sw.value(n, "swarm_node_forged_records_total") for n in (head, body, tail, joiner))
+        assert forged_counts > 0
+        assert sw.value(head, "swarm_node_forged_records_total", kind="peer") > 0
+    finally:
+        if forger is not None:
+            forger.close()
+        pids = [n.pid for n in sw.nodes]
+        sw.close()
+        assert p2pd_pids_of(pids) == []
