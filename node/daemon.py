@@ -349,6 +349,7 @@ class Node:
             queue_size=cfg.queue_size, context_ttl=cfg.context_ttl, request_timeout=cfg.request_timeout,
             max_inflight=cfg.max_inflight, steps=cfg.steps, checkpoint_every=cfg.checkpoint_every,
             forward_deadline=max(10.0, cfg.request_timeout * 2), use_amp=self.device.type == "cuda",
+            verify_state=cfg.verify_state,
         )
         rt = StageRuntime(
             self.m, self.index, self.stage, self.optimizer, transport=transport, router=self.router,
@@ -419,7 +420,7 @@ class Node:
     # ---- the event loop
 
     async def serve(self) -> int:
-        from node.net import PeerRecord, StateSyncError, Transport, join_from_replicas
+        from node.net import PeerRecord, StateSyncError, Transport
         from node.runtime import max_batch_for
         from protocol import Limits
 
@@ -448,18 +449,7 @@ class Node:
             self._set_server_state("joining")
             await self._refresh_peers()
             if not restored:
-                replicas = [p.peer_id for p in self.router.stage_peers(self.index)]
-                if replicas:
-                    try:
-                        version, src = await join_from_replicas(
-                            transport, replicas, self.m.run.id, rt.mhash, self.index, rt.stage, rt.metrics,
-                            timeout=max(30.0, cfg.request_timeout))
-                    except StateSyncError as e:
-                        log.error("%s", e)
-                        raise CliError(f"could not download stage {self.index} state from any online replica; "
-                                       "check connectivity to them and retry") from None
-                    rt.set_version(version)
-                    _announce_line(f"downloaded stage {self.index} state at version {version} from {src}")
+                await self._join_state(rt, StateSyncError)
             rt.set_state("online")
             self._set_server_state("online")
             self._announce_now.set()
@@ -471,6 +461,33 @@ class Node:
         finally:
             code = await self._shutdown(bg)
         return code
+
+    async def _join_state(self, rt, StateSyncError, attempts: int = 6, wait_s: float = 10.0) -> None:
+        """A new replica's weights: downloaded from the online replicas of its stage (verified by
+        agreement, ``--verify-state``), or the run seed's initialisation when there are none. When
+        the replicas' weights cannot be trusted (two that disagree, say) it waits for more replicas
+        and tries again, then gives up with one line."""
+        for attempt in range(attempts):
+            if not self.router.stage_peers(self.index):
+                return  # the first replica of its stage: starts from the seed's initialisation
+            t0 = time.monotonic()
+            try:
+                got = await rt.sync_from_replicas()
+            except StateSyncError as e:
+                log.error("stage %d state: %s (attempt %d of %d)", self.index, e, attempt + 1, attempts)
+                if attempt + 1 == attempts:
+                    raise CliError(f"could not get trustworthy stage {self.index} state from the online replicas "
+                                   f"({e}); check connectivity to them and retry later") from None
+                await asyncio.sleep(wait_s)
+                await self._refresh_peers()
+                continue
+            how = (f"verified against {len(got.distances) - 1 - len(got.refused)} other replica(s)" if got.verified
+                   else "unverified: one replica to compare with" if self.cfg.verify_state else "unverified")
+            log.info("stage %d state ready in %.2f s (%s)", self.index, time.monotonic() - t0, how)
+            _announce_line(f"downloaded stage {self.index} state at version {got.version} from {got.source} ({how})")
+            for peer in got.refused:
+                _announce_line(f"refused the stage {self.index} state of {peer}: it disagrees with the other replicas")
+            return
 
     def _on_signal(self, sig) -> None:
         if self._stop.is_set():
@@ -595,8 +612,10 @@ def make_attacks(name: str, seed: int = 0, **params) -> dict:
     """``--attack NAME`` (testing the verifier only): one attack instance per direction, ``act``
     for what we send forward and ``grad`` for what we send back, so a stateful attack (``delayed``)
     keeps a history of each and never replays an activation as a gradient."""
-    from security import make_attack
+    from security import STATE_ATTACKS, make_attack
 
+    if name in STATE_ATTACKS:  # a replica that serves poisoned weights to joiners (testing their check)
+        return {"state": name}
     return {d: make_attack(name, seed=2 * seed + i, **params) for i, d in enumerate(("act", "grad"))}
 
 

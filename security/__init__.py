@@ -3,7 +3,8 @@ Pure: tensors in, verdicts out, no I/O.
 
 This is what the other packages may use; everything else is internal to security/."""
 
-from security.attacks import (  # noqa: F401
+from security.attacks import (
+    STATE_ATTACKS, poison_state,  # noqa: F401
     ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack,
 )
 from security.bans import (  # noqa: F401
@@ -18,6 +19,8 @@ from security.verifier import (  # noqa: F401
 )
 
 __all__ = [
+    "STATE_ATTACKS",
+    "poison_state",
     "OrganiserKey",
     "PeerKey",
     "b58encode",

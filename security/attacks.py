@@ -252,8 +252,8 @@ def check_attack_allowed(name: str | None, manifest_allows: bool, cli_allows: bo
     """Refuse an attack unless the manifest or the operator explicitly allows attacks."""
     if not name:
         return
-    if name not in ATTACKS:
-        raise ValueError(f"unknown attack {name!r}; known: {', '.join(ATTACKS)}")
+    if name not in ATTACKS and name not in STATE_ATTACKS:
+        raise ValueError(f"unknown attack {name!r}; known: {', '.join([*ATTACKS, *STATE_ATTACKS])}")
     if not (manifest_allows or cli_allows):
         raise AttackNotAllowed(
             f"--attack {name} poisons what this node sends and is for testing the verifier only; "

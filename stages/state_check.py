@@ -29,13 +29,17 @@ def probe_inputs(stage: torch.nn.Module, seed: int, batch: int = 4, seq_len: int
 
 @torch.no_grad()
 def probe_output(stage: torch.nn.Module, state: dict[str, torch.Tensor], probe) -> torch.Tensor:
-    """The output of a copy of ``stage`` (on the CPU, float32) holding ``state``'s parameters."""
+    """What a copy of ``stage`` (on the CPU, float32) holding ``state``'s parameters computes on
+    ``probe``: its output code, less the incoming code for a middle stage (the code passes through
+    the residual stream unchanged, so the stage's own contribution is the difference; comparing
+    whole outputs would dilute it), or its logits at the tail."""
     twin = copy.deepcopy(stage).to("cpu", torch.float32)
     params = dict(twin.named_parameters())
     for name, value in state.items():
         params[name].copy_(value.to(torch.float32))
     x, ids = probe
-    return twin(x, ids).float()
+    out = twin(x, ids).float()
+    return out - x if x is not None and not twin.is_tail else out
 
 
 def output_distance(a: torch.Tensor, b: torch.Tensor) -> float:

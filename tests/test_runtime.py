@@ -293,23 +293,88 @@ def moved_replica(m, net, peer, version):
 
 @pytest.mark.asyncio
 async def test_joiner_downloads_the_exact_weights(test_manifest):
-    from node.net import join_from_replicas
-
     m = test_manifest
     net = Net()
     online = moved_replica(m, net, "old", version=42)
-    joiner = make_runtime(m, 1, "new", net, seed=2)
+    joiner = make_runtime(m, 1, "new", net, seed=2, verify_state=False)
+    link([online, joiner])
     await start_all([online])
     await joiner.start()
     try:
-        version, src = await join_from_replicas(joiner.transport, ["gone", "old"], m.run.id, joiner.mhash, 1,
-                                                joiner.stage, joiner.metrics)
+        got = await joiner.sync_from_replicas()
     finally:
         await stop_all([online, joiner])
-    assert (version, src) == (42, "old")
+    assert (got.version, got.source, got.verified) == (42, "old", False)
+    assert joiner.version == 42
     for (n, a), (_, b) in zip(online.stage.named_parameters(), joiner.stage.named_parameters()):
         assert torch.equal(a, b), n
     assert value(joiner, "swarm_node_state_sync_bytes_total", direction="in") > 0
+
+
+def _replicas_of_one_state(m, net, peers, version, poisoned=(), attack="state-scaled"):
+    """Stage-1 replicas holding one state (each nudged a little, as asynchronous replicas drift);
+    those in ``poisoned`` serve a ``state-*`` test attack's weights instead."""
+    first = make_runtime(m, 1, peers[0], net, seed=1)  # initialised weights: what a fresh run trains
+    first.trainer.lookahead.version = version
+    out = [first]
+    for peer in peers[1:]:
+        rt = make_runtime(m, 1, peer, net, seed=1)
+        with torch.no_grad():
+            for a, b in zip(first.stage.parameters(), rt.stage.parameters()):
+                b.copy_(a + 1e-4 * torch.randn_like(a))
+        rt.trainer.lookahead.version = version
+        out.append(rt)
+    for rt in out:
+        if rt.peer_id in poisoned:
+            rt.state_attack = attack
+    return out
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("attack", ["state-scaled", "state-random", "state-foreign"])
+async def test_a_joiner_refuses_poisoned_state_and_takes_the_majority(test_manifest, attack):
+    m = test_manifest
+    net = Net()
+    replicas = _replicas_of_one_state(m, net, ["a", "p", "b"], version=42, poisoned={"p"}, attack=attack)
+    joiner = make_runtime(m, 1, "new", net, seed=2)
+    link([*replicas, joiner])
+    await start_all(replicas)
+    await joiner.start()
+    try:
+        got = await joiner.sync_from_replicas()
+    finally:
+        await stop_all([*replicas, joiner])
+    assert got.verified and got.refused == ["p"] and got.source in ("a", "b")
+    assert got.distances["p"] > 0.5 > max(d for peer, d in got.distances.items() if peer != "p")
+    assert joiner.router.is_banned("p") and not joiner.router.is_banned("a")
+    assert value(joiner, "swarm_node_bans_total", cause="poisoned-state") == 1
+    honest = dict(replicas[0].stage.named_parameters()) if got.source == "a" else dict(replicas[2].stage.named_parameters())
+    for n, p in joiner.stage.named_parameters():
+        assert torch.equal(p, honest[n]), n
+
+
+@pytest.mark.asyncio
+async def test_two_replicas_that_disagree_are_not_trusted_and_one_is_taken_unverified(test_manifest):
+    from node.net import StateSyncError
+
+    m = test_manifest
+    net = Net()
+    honest, poisoned = _replicas_of_one_state(m, net, ["a", "p"], version=7, poisoned={"p"})
+    joiner = make_runtime(m, 1, "new", net, seed=2)
+    link([honest, poisoned, joiner])
+    await start_all([honest, poisoned])
+    await joiner.start()
+    before = {n: p.detach().clone() for n, p in joiner.stage.named_parameters()}
+    try:
+        with pytest.raises(StateSyncError, match="disagree"):
+            await joiner.sync_from_replicas()
+        for n, p in joiner.stage.named_parameters():  # nothing adopted
+            assert torch.equal(p, before[n]), n
+        link([honest, joiner])  # one replica online: nothing to compare with
+        got = await joiner.sync_from_replicas()
+    finally:
+        await stop_all([honest, poisoned, joiner])
+    assert (got.source, got.verified, got.refused) == ("a", False, [])
 
 
 @pytest.mark.asyncio

@@ -141,3 +141,39 @@ def test_a_dht_forger_changes_nothing_in_a_signed_run(tmp_path):
         pids = [n.pid for n in sw.nodes]
         sw.close()
         assert p2pd_pids_of(pids) == []
+
+
+@pytest.mark.parametrize("attack", ["state-random"])
+def test_a_joiner_refuses_a_replica_that_serves_poisoned_state(tmp_path, attack):
+    """Two honest replicas of the middle stage and one that trains honestly but serves joiners
+    poisoned weights: the joiner downloads from all three, refuses the poisoner's state (banned,
+    said on its output), takes an honest one and trains."""
+    base = load_manifest("test").replace(sentinel={"enabled": False})
+    path = _write(tmp_path, "run.toml", sign_manifest(base, OrganiserKey.generate()))
+    sw = LocalSwarm(str(path), workdir=tmp_path / "swarm")
+    try:
+        sw.start_bootstrap()
+        head, a, tail = sw.start_node(0, name="head"), sw.start_node(1, name="a"), sw.start_node(2, name="tail")
+        sw.wait_ready(timeout=200)
+        b = sw.start_node(1, name="b")
+        sw.wait_ready([b], timeout=120)
+        poisoner = sw.start_node(1, name="poisoner", extra=["--attack", attack, "--allow-attacks"])
+        sw.wait_ready([poisoner], timeout=120)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sw.value(head, "swarm_node_peers", stage="1") < 3:
+            time.sleep(0.5)
+        joiner = sw.start_node(1, name="joiner")
+        sw.wait_ready([joiner], timeout=150)
+        bad = peer_id_of(poisoner)
+        assert f"refused the stage 1 state of {bad}" in joiner.output(), joiner.logs()[-3000:]
+        assert "verified against" in joiner.output()
+        assert sw.value(joiner, "swarm_node_bans_total", cause="poisoned-state") == 1
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sw.value(joiner, "swarm_node_steps_total") < 5:
+            time.sleep(0.5)
+        assert sw.value(joiner, "swarm_node_steps_total") >= 5, joiner.logs()[-3000:]  # it trains
+        assert all(n.proc.poll() is None for n in (head, a, b, tail, joiner))
+    finally:
+        pids = [n.pid for n in sw.nodes]
+        sw.close()
+        assert p2pd_pids_of(pids) == []

@@ -9,6 +9,8 @@ from node import lazy_face
 # name -> the module that defines it; loaded on first use, so importing this package
 # imports nothing heavy (hivemind, py-libp2p) until a name that needs it is used
 _EXPORTS = {
+    "Verified": "node.net.state_verify",
+    "fetch_verified": "node.net.state_verify",
     "ForgeryCounter": "node.net.records",
     "ephemeral_identity": "node.net.identity",
     "run_namespace": "node.net.membership",
@@ -31,7 +33,6 @@ _EXPORTS = {
     "choose_stage": "node.net.membership",
     "copy_state": "node.net.state_sync",
     "fetch_from_replicas": "node.net.state_sync",
-    "join_from_replicas": "node.net.state_sync",
     "p2p_options": "node.net.membership",
     "parameters_of": "node.net.state_sync",
     "serve_state": "node.net.state_sync",

@@ -111,13 +111,3 @@ async def fetch_from_replicas(transport, peers: list[str], run: str, mhash: str,
                  nbytes / 2**20, peer[-8:], time.monotonic() - t0)
         return version, tensors, peer
     raise StateSyncError("no online replica gave us the stage state: " + "; ".join(errors))
-
-
-async def join_from_replicas(transport, router_peers: list[str], run: str, mhash: str, stage_index: int,
-                             module: torch.nn.Module, metrics=None, timeout: float = 30.0) -> tuple[int, str]:
-    """Try online replicas in order until one hands over its state, copied into ``module``;
-    returns (version, peer)."""
-    version, tensors, peer = await fetch_from_replicas(transport, router_peers, run, mhash, stage_index, module,
-                                                       metrics, timeout)
-    copy_state(module, tensors)
-    return version, peer

@@ -61,6 +61,7 @@ class NodeConfig:
     allow_unsigned: bool = False  # LOCAL ONLY: accept a manifest without an organiser signature
     seed: int = 0  # local randomness (microbatch ids, routing ties); 0: from the OS
     averaging: bool = True  # background sparse averaging with the other replicas of our stage
+    verify_state: bool = True  # take a replica's downloaded weights only when another replica's agree
     json_log: str = ""  # append one JSON object per optimizer step (step, time, tokens, loss, look-ahead) here
 
     def stage_index(self) -> int | None:
@@ -97,6 +98,7 @@ _HELP = {
     "peer_labels": "label metrics by peer id (off by default: cardinality grows with the swarm)",
     "attack": "TESTING ONLY: corrupt what this node sends with the named attack (needs --allow-attacks)",
     "allow_attacks": "TESTING ONLY: permit --attack",
+    "verify_state": "download a joining replica's weights from up to 3 replicas and take them only when a majority agrees on a probe microbatch (--no-verify-state: the first replica's, unchecked)",
     "allow_unsigned": "LOCAL SWARMS ONLY: accept an unsigned manifest (refused unless every listen address is loopback)",
     "seed": "local random seed for microbatch ids and routing ties (0: from the OS)",
     "averaging": "average a slice of the weights with the other replicas of this stage (AsyncMesh)",

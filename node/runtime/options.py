@@ -27,6 +27,8 @@ class RuntimeOptions:
     # after a neighbour answers "banned": fetch another replica's weights this often (seconds) until
     # our traffic is accepted again, so we do not come back with weights a whole ban old (0: off)
     resync_every: float = 10.0
+    verify_state: bool = True  # downloaded weights must agree with another replica's (node.net.state_verify)
+    state_ban_seconds: float = 600.0  # ban on a replica whose served weights disagreed with the majority
 
 
 @dataclass(eq=False)

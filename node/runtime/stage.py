@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from node.net import StateSyncError, fetch_from_replicas, serve_state
+from node.net import StateSyncError, Verified, fetch_from_replicas, fetch_verified, serve_state
 from node.runtime.guard import Guard
 from node.runtime.liveness import Liveness
 from node.runtime.options import RuntimeOptions, max_batch_for
@@ -34,6 +34,7 @@ from node.runtime.sends import Sender
 from node.runtime.trainer import Checkpointer, Trainer
 from node.runtime.worker import ComputeWorker, Tasks
 from protocol import BWD, FWD, HEALTH, STATE, Expect, Limits, make_health, validate_health_request
+from security import poison_state
 from stages import Manifest, manifest_hash
 
 log = logging.getLogger("swarm_node.runtime")
@@ -83,6 +84,8 @@ class StageRuntime:
         )
         self.guard = Guard(index, manifest.sentinel, options, verifier=verifier, router=router, metrics=metrics,
                            tasks=self.tasks, resync=self.resync_from_replica)
+        attacks = dict(attacks or {})
+        self.state_attack = attacks.pop("state", None)  # testing a joiner's check only: serve poisoned weights
         self.sender = Sender(index, self.run_id, self.mhash, options, transport=transport, router=router,
                              metrics=metrics, guard=self.guard, version=lambda: self.trainer.version,
                              suspect=lambda peer: self.liveness.suspect(peer), attacks=attacks)
@@ -147,10 +150,16 @@ class StageRuntime:
         await self.transport.serve(BWD, self.pipeline.on_bwd, limits=body_limit(self.pipeline.expect_bwd))
         await self.transport.serve(HEALTH, self._on_health, limits=small)
         state = functools.partial(serve_state, run=self.run_id, mhash=self.mhash, stage_index=self.index,
-                                  state=lambda: self.state, snapshot=lambda: self.worker.submit("ctl", self.trainer.snapshot),
-                                  metrics=self.metrics)
+                                  state=lambda: self.state, snapshot=self._snapshot, metrics=self.metrics)
         await self.transport.serve_stream(STATE, state, limits=small)
         self.metrics.version.set(self.version)
+
+    async def _snapshot(self) -> tuple[int, dict]:
+        """What state sync serves: the trainer's snapshot (poisoned by a ``state-*`` test attack)."""
+        version, tensors = await self.worker.submit("ctl", self.trainer.snapshot)
+        if self.state_attack:
+            tensors = poison_state(self.state_attack, tensors, seed=version)
+        return version, tensors
 
     def abandon(self) -> None:
         """Stop starting anything new (no more injections, sends, probes or re-syncs): the node
@@ -196,22 +205,39 @@ class StageRuntime:
     def set_version(self, version: int) -> None:
         self.trainer.set_version(version)
 
-    async def resync_from_replica(self) -> bool:
-        """Fetch this stage's current weights from another online replica and adopt them (between
-        two compute jobs), with its optimizer version. Optimizer moments are kept (as a joiner
-        rebuilds them, they are local statistics). False when no replica could give them."""
+    async def sync_from_replicas(self) -> Verified:
+        """Download this stage's current weights from the other online replicas and adopt them
+        (between two compute jobs) with the source's optimizer version. With ``verify_state`` the
+        weights are taken only when a majority of up to three replicas agree on them
+        (``node.net.state_verify``), and a replica whose weights disagree is banned. Optimizer
+        moments are kept (local statistics, rebuilt within a few steps). Raises ``StateSyncError``
+        when no replica gave them or the replicas' weights cannot be trusted by agreement."""
         peers = [p.peer_id for p in self.router.stage_peers(self.index)]
-        try:
+        timeout = max(30.0, self.options.request_timeout)
+        if self.options.verify_state:
+            got = await fetch_verified(self.transport, peers, self.run_id, self.mhash, self.index, self.stage,
+                                       self.metrics, timeout=timeout, seed=self.manifest.run.seed)
+        else:
             version, tensors, src = await fetch_from_replicas(self.transport, peers, self.run_id, self.mhash,
-                                                              self.index, self.stage, self.metrics,
-                                                              timeout=self.options.request_timeout)
+                                                              self.index, self.stage, self.metrics, timeout=timeout)
+            got = Verified(version, tensors, src, verified=False)
+        for peer in got.refused:
+            self.router.ban(peer, self.options.state_ban_seconds, "poisoned-state")
+            self.metrics.bans.labels(cause="poisoned-state").inc()
+        await self.worker.submit("ctl", self.trainer.adopt_state, got.version, got.tensors)
+        return got
+
+    async def resync_from_replica(self) -> bool:
+        """Catch this replica's weights up with the others' after a ban (``sync_from_replicas``);
+        False when that was not possible."""
+        before = self.version
+        try:
+            got = await self.sync_from_replicas()
         except StateSyncError as e:
             log.info("re-sync after a ban: %s", e)
             return False
-        before = self.version
-        await self.worker.submit("ctl", self.trainer.adopt_state, version, tensors)
-        log.info("re-synced stage %d weights from %s after a ban (version %d -> %d)", self.index, src[-8:],
-                 before, version)
+        log.info("re-synced stage %d weights from %s after a ban (version %d -> %d)", self.index, got.source[-8:],
+                 before, got.version)
         return True
 
     # ------------------------------------------------------------------ status and maintenance
