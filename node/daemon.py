@@ -21,18 +21,16 @@ write a checkpoint, announce ``offline``, stop p2pd, exit 0.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from node.ops import CliError
+from node.ops import CliError, announce_line, check_port_free, check_signed, fast_exit, uvloop_runner
 from node.ops import config as node_config
 
 log = logging.getLogger("swarm_node.daemon")
@@ -53,51 +51,6 @@ def main(args) -> int:
     return code  # not reached
 
 
-def fast_exit(code: int) -> None:
-    """Leave now. Everything the node owns (p2pd, DHT, threads, files) is closed explicitly
-    before this; the interpreter's own teardown of torch and hivemind would add seconds to every
-    SIGTERM on a loaded machine, for nothing."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-# ---------------------------------------------------------------- pre-flight
-
-
-def check_port_free(host: str, port: int, what: str, flag: str) -> None:
-    """Bind-test ``host:port`` (TCP); a taken port is an operator error naming the flag to change."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise CliError(
-                    f"{what} port {port} on {host} is already in use (another swarm-node?); "
-                    f"stop that process or choose another port with {flag}"
-                ) from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise CliError(f"{what} address {host} is not an address of this machine; fix {flag}") from None
-            raise CliError(f"cannot listen on {host}:{port} for {what}: {e.strerror}; fix {flag}") from None
-
-
-def uvloop_runner():
-    """An ``asyncio.Runner`` on uvloop (plain asyncio where uvloop is unavailable)."""
-    try:
-        import uvloop
-
-        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.Runner()
-
-
-def _announce_line(text: str) -> None:
-    print(f"swarm-node: {text}", flush=True)
-
-
 # ---------------------------------------------------------------- the node
 
 
@@ -107,13 +60,13 @@ def run_node(cfg: node_config.NodeConfig) -> int:
     from node.net import (
         BootstrapError,
         ForgeryCounter,
-        ephemeral_identity,
         IdentityInUse,
         ManifestMismatch,
         Membership,
         anonymous_identity_in_use,
         check_identity,
         choose_stage,
+        ephemeral_identity,
         start_dht,
         stop_dht,
     )
@@ -169,7 +122,7 @@ def run_node(cfg: node_config.NodeConfig) -> int:
                 "choose another with --metrics-port (0: any free port, -1: no metrics)"
             ) from None
         server.start()
-        _announce_line(f"metrics at {server.url}/metrics (health {server.url}/healthz, ready {server.url}/readyz)")
+        announce_line(f"metrics at {server.url}/metrics (health {server.url}/healthz, ready {server.url}/readyz)")
 
     dht = None
     # every node signs its DHT records with its libp2p key: one without --identity gets a fresh key
@@ -258,7 +211,7 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         node = Node(cfg, manifest, index, device, dht, membership, metrics, server, peer_id, maddrs,
                     checkpoint=found)
         node.setup()
-        _announce_line(f"peer {peer_id} holds stage {index}/{manifest.n_stages} of run {manifest.run.id}; "
+        announce_line(f"peer {peer_id} holds stage {index}/{manifest.n_stages} of run {manifest.run.id}; "
                        f"listening on {' '.join(maddrs)}")
         log.info("start-up took %.1f s", time.monotonic() - t_start)
         with uvloop_runner() as runner:
@@ -273,23 +226,6 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         if not cfg.identity:
             shutil.rmtree(os.path.dirname(identity), ignore_errors=True)
         log.info("p2p daemon and DHT stopped in %.1f s", time.monotonic() - t_stop)
-
-
-def check_signed(manifest, cfg) -> None:
-    """The first check of a run: the manifest is the organisers' (signed by ``run.organiser``), or
-    unsigned on a swarm of this machine only (``--allow-unsigned``). One line with the fix if not."""
-    from security import manifest_signature_problem
-
-    if manifest.run.organiser:
-        problem = manifest_signature_problem(manifest)
-        if problem is not None:
-            raise CliError(f"--manifest {cfg.manifest}: {problem}; get the signed manifest from the run's organisers")
-        return
-    if not cfg.allow_unsigned:
-        raise CliError(
-            f"--manifest {cfg.manifest} is not signed: a public run's manifest carries its organisers' signature "
-            "(swarm-node manifest sign); for a swarm on this machine only, pass --local --allow-unsigned"
-        )
 
 
 class Node:
@@ -362,7 +298,7 @@ class Node:
             step, tensors, meta = self.checkpoint
             rt.restore(tensors, meta)
             self.metrics.checkpoint_step.set(step)
-            _announce_line(f"resumed stage {self.index} from checkpoint step {step} in {cfg.checkpoint_dir}")
+            announce_line(f"resumed stage {self.index} from checkpoint step {step} in {cfg.checkpoint_dir}")
             self.checkpoint = None
         if self.server is not None:
             self.server.status_fn = lambda: rt.status_cache
@@ -453,7 +389,7 @@ class Node:
             rt.set_state("online")
             self._set_server_state("online")
             self._announce_now.set()
-            _announce_line(f"online: stage {self.index}, version {rt.version}")
+            announce_line(f"online: stage {self.index}, version {rt.version}")
             if rt.is_head:
                 bg.append(asyncio.ensure_future(rt.drive()))
             bg.append(asyncio.ensure_future(self._steps_watch()))
@@ -484,9 +420,9 @@ class Node:
             how = (f"verified against {len(got.distances) - 1 - len(got.refused)} other replica(s)" if got.verified
                    else "unverified: one replica to compare with" if self.cfg.verify_state else "unverified")
             log.info("stage %d state ready in %.2f s (%s)", self.index, time.monotonic() - t0, how)
-            _announce_line(f"downloaded stage {self.index} state at version {got.version} from {got.source} ({how})")
+            announce_line(f"downloaded stage {self.index} state at version {got.version} from {got.source} ({how})")
             for peer in got.refused:
-                _announce_line(f"refused the stage {self.index} state of {peer}: it disagrees with the other replicas")
+                announce_line(f"refused the stage {self.index} state of {peer}: it disagrees with the other replicas")
             return
 
     def _on_signal(self, sig) -> None:

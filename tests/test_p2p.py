@@ -336,6 +336,13 @@ async def test_state_stream_health_and_unreachable_peer(pair):
     with pytest.raises(PeerUnreachable):  # protocol not served by a
         await b.request(a.peer_id, BWD, {"type": "bwd"}, timeout=10)
 
+    # an address claimed for another peer id: the handshake proves who answers there, so dialling
+    # a's address as `nobody` fails (a record cannot point a peer id at someone else's node)
+    a_addr = (await a.visible_maddrs())[0].rsplit("/p2p/", 1)[0]
+    with pytest.raises(PeerUnreachable):
+        await b.connect(f"{a_addr}/p2p/{nobody}", timeout=8)
+    assert await b.connect(f"{a_addr}/p2p/{a.peer_id}", timeout=8) == a.peer_id
+
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(90)

@@ -8,6 +8,11 @@ from node import lazy_face
 # name -> the module that defines it; loaded on first use, so importing this package
 # imports nothing heavy (hivemind, py-libp2p) until a name that needs it is used
 _EXPORTS = {
+    "announce_line": "node.ops.startup",
+    "check_port_free": "node.ops.startup",
+    "check_signed": "node.ops.startup",
+    "fast_exit": "node.ops.startup",
+    "uvloop_runner": "node.ops.startup",
     "CheckpointError": "node.ops.checkpoint",
     "CliError": "node.ops.errors",
     "LocalSwarm": "node.ops.local_swarm",

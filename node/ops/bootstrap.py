@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from node.daemon import fast_exit
+    from node.ops.startup import fast_exit
 
     try:
         code = _main(args)
@@ -45,7 +45,7 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
-    from node.daemon import check_port_free
+    from node.ops.startup import check_port_free
     from node.net import check_identity
     from node.ops.config import tcp_ports
 
