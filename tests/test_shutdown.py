@@ -81,3 +81,43 @@ def test_signals_leave_cleanly_and_kill_9_takes_p2pd_along(tmp_path):
             assert "Traceback" not in nodes[name].logs()
     finally:
         sw.close()
+
+
+def test_nodes_die_with_their_launcher(tmp_path):
+    """A launcher killed outright (a test or benchmark killed by a timeout) leaves no node behind:
+    every node gets SIGTERM when the process that started it dies."""
+    import subprocess
+    import sys
+
+    from tests.helpers.scripts import ROOT
+
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from node.ops import LocalSwarm\n"
+        f"sw = LocalSwarm('test', workdir={str(tmp_path / 'swarm')!r})\n"
+        "sw.start_bootstrap()\n"
+        "n = sw.start_node(0)\n"
+        "print(sw.bootstrap.pid, n.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in launcher.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        launcher.kill()  # SIGKILL: no finally, no atexit in the launcher
+        launcher.wait(10)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+        assert p2pd_pids_of(pids) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _alive(pid: int) -> bool:
+    from node.ops.procs import processes
+
+    return any(p.pid == pid and p.alive for p in processes())

@@ -346,11 +346,11 @@ def _averager_class():
     node alone), like the DHT process in node/net/membership.py."""
     from hivemind.averaging import DecentralizedAverager
 
-    from node.net.membership import _set_parent_death_signal
+    from node.ops import set_parent_death_signal
 
     class _Averager(DecentralizedAverager):
         def run(self):
-            _set_parent_death_signal(signal.SIGKILL)
+            set_parent_death_signal(signal.SIGKILL)
             super().run()
 
     return _Averager

@@ -31,7 +31,6 @@ node never leaves a ``p2pd`` behind.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import math
 import os
@@ -44,7 +43,7 @@ from hivemind.utils import get_dht_time
 
 from node.net.records import ForgeryCounter, SwarmRecordValidator, manifest_subkey, peer_subkey
 from node.net.routing import announced_rate
-from node.ops import processes
+from node.ops import processes, set_parent_death_signal
 from protocol import PROTOCOL_VERSION
 from security import PeerKey, organiser_fingerprint
 from stages import (
@@ -88,14 +87,6 @@ def _children_of(pid: int) -> list[int]:
     return [p.pid for p in processes() if p.ppid == pid]
 
 
-def _set_parent_death_signal(sig: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: a crashed parent may leave the DHT behind
-        pass
-
-
 _DEATH_SIGNAL = signal.SIGUSR2
 
 
@@ -126,7 +117,7 @@ class SwarmDHT(hivemind.DHT):
 
         signal.signal(_DEATH_SIGNAL, on_parent_death)
         signal.signal(signal.SIGTERM, on_parent_death)
-        _set_parent_death_signal(_DEATH_SIGNAL)
+        set_parent_death_signal(_DEATH_SIGNAL)
         if os.getppid() != parent:  # the node died before we set the signal
             on_parent_death(_DEATH_SIGNAL, None)
         super().run()

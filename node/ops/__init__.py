@@ -29,6 +29,7 @@ _EXPORTS = {
     "metric_sum": "node.ops.local_swarm",
     "parse_metrics": "node.ops.local_swarm",
     "processes": "node.ops.procs",
+    "set_parent_death_signal": "node.ops.procs",
     "resolve_device": "node.ops.resources",
     "restore_module": "node.ops.checkpoint",
     "restore_optimizer": "node.ops.checkpoint",

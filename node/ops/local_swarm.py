@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.ops.procs import processes
+from node.ops.procs import processes, set_parent_death_signal
 
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -134,8 +134,10 @@ class LocalSwarm:
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
         cmd = [self.python, "-m", "node.ops.cli", *argv]
         with open(out, "wb") as fo, open(err, "wb") as fe:
+            # its own session (a signal to ours never reaches it; we stop it in order), and SIGTERM
+            # when this launcher dies however it dies, so a killed test or benchmark leaves no node
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=self.env,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_launcher)
         return NodeProc(name, proc, out, err, args=argv)
 
     def start_bootstrap(self, timeout: float = 60.0, publish_manifest: bool = True) -> list[str]:
@@ -270,6 +272,10 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _die_with_launcher() -> None:
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def p2pd_pids_of(pids: list[int]) -> list[int]:

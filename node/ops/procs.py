@@ -3,6 +3,7 @@ child processes (the DHT's p2pd) and to prove none outlived its owner."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,3 +37,14 @@ def processes() -> Iterator[Proc]:
         if len(fields) > 3:
             yield Proc(int(entry), stat[stat.find(b"(") + 1: stat.rfind(b")")], fields[0], int(fields[1]),
                        int(fields[3]))
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: deliver ``sig`` to this process when the thread that started it exits (for a child,
+    call it between fork and exec, e.g. as ``preexec_fn``). Elsewhere a no-op: a crashed parent
+    may then leave its children behind."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
