@@ -1,7 +1,7 @@
 """Benchmark: what verifying a joiner's downloaded state costs. A local swarm of the default run
 (bootstrap, head, two replicas of the middle stage, tail; separate processes on loopback) trains;
 then a new replica of the middle stage joins, alternately with state verification (the default:
-download from up to three replicas, compare them on a probe microbatch) and without
+download from up to three replicas, compare them in parameter space) and without
 (``--no-verify-state``: one replica's state taken as it is). Prints ONE JSON object:
 
     join_s (median seconds from the joiner's start to its "online" line, per mode), download_s

@@ -23,7 +23,7 @@ from stages.optim import (  # noqa: F401
 from stages.sharpness import (  # noqa: F401
     SharpnessTracker, adam_preconditioner, eos_bound,
 )
-from stages.state_check import STATE_TOLERANCE, agreeing, output_distance, probe_inputs, probe_output
+from stages.state_check import NORM_RATIO_TOLERANCE, STATE_TOLERANCE, agreeing, norm_ratio, state_distance
 from stages.subspace import (  # noqa: F401
     SubspaceCodec, wire_bytes_per_token,
 )
@@ -33,10 +33,10 @@ from stages.warmup import (  # noqa: F401
 
 __all__ = [
     "STATE_TOLERANCE",
+    "NORM_RATIO_TOLERANCE",
     "agreeing",
-    "output_distance",
-    "probe_inputs",
-    "probe_output",
+    "norm_ratio",
+    "state_distance",
     "ArchWarmup",
     "Batches",
     "DataError",

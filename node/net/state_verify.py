@@ -1,9 +1,9 @@
 """Verified state downloads: a joining or re-syncing replica takes a stage's weights only when
 another replica's weights agree with them.
 
-``fetch_verified`` downloads the stage's state from up to ``max_sources`` online replicas, runs
-one probe microbatch through the stage with each (``stages.state_check``), and accepts a state
-from the largest group that agrees within ``STATE_TOLERANCE``. Sources whose state disagrees with
+``fetch_verified`` downloads the stage's state from up to ``max_sources`` online replicas, compares
+them in parameter space (``stages.state_check``: relative distance and norm ratio), and accepts a
+state from the largest group that agrees. Sources whose state disagrees with
 that group are returned as ``refused``: the caller bans them and counts them. The outcomes:
 
 - two or more sources, a majority agrees: the first of them is taken; the others are refused;
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.net.state_sync import StateSyncError, fetch_from_replicas
-from stages import STATE_TOLERANCE, agreeing, output_distance, probe_inputs, probe_output
+from stages import STATE_TOLERANCE, agreeing, norm_ratio, state_distance
 
 log = logging.getLogger("swarm_node.state_sync")
 
@@ -33,15 +33,15 @@ class Verified:
     source: str
     verified: bool  # False: only one replica was online to download from
     refused: list[str] = field(default_factory=list)  # sources whose state disagreed with the majority
-    distances: dict[str, float] = field(default_factory=dict)  # source -> output distance to the taken state
+    distances: dict[str, float] = field(default_factory=dict)  # source -> parameter distance to the taken state
 
 
 async def fetch_verified(transport, peers: list[str], run: str, mhash: str, stage_index: int,
-                         module: torch.nn.Module, metrics=None, *, timeout: float = 30.0, seed: int = 0,
+                         module: torch.nn.Module, metrics=None, *, timeout: float = 30.0,
                          max_sources: int = 3, tolerance: float = STATE_TOLERANCE) -> Verified:
     """Download ``stage_index``'s state from up to ``max_sources`` of ``peers`` and keep one that
     the majority of them agree on (module docstring). ``module`` is this node's own stage: the
-    shapes to check against and the function to probe with."""
+    names, dtypes and shapes every download is checked against."""
     got: list[tuple[int, dict, str]] = []
     remaining = list(peers)
     while remaining and len(got) < max_sources:
@@ -59,21 +59,23 @@ async def fetch_verified(transport, peers: list[str], run: str, mhash: str, stag
         log.warning("only one replica (%s) gave us stage %d's state: taken unverified, nothing to compare it with",
                     src[-8:], stage_index)
         return Verified(version, tensors, src, verified=False)
-    probe = probe_inputs(module, seed, seq_len=min(32, module.manifest.model.seq_len))
-    outputs = [probe_output(module, tensors, probe) for _, tensors, _ in got]
-    group = agreeing(outputs, tolerance)
+    states = [tensors for _, tensors, _ in got]
+    group = agreeing(states, tolerance)
     if not group:
-        pairs = ", ".join(f"{got[i][2][-8:]}~{got[j][2][-8:]} {output_distance(outputs[i], outputs[j]):.3f}"
+        pairs = ", ".join(f"{got[i][2][-8:]}~{got[j][2][-8:]} distance {state_distance(states[i], states[j]):.3f} "
+                          f"norm ratio {norm_ratio(states[i], states[j]):.2f}"
                           for i in range(len(got)) for j in range(i + 1, len(got)))
-        raise StateSyncError(f"the {len(got)} replicas we downloaded stage {stage_index} from disagree beyond "
-                             f"{tolerance} ({pairs}); cannot tell which is honest")
+        raise StateSyncError(f"the {len(got)} replicas we downloaded stage {stage_index} from disagree ({pairs}); "
+                             "cannot tell which is honest")
     keep = group[0]
     version, tensors, src = got[keep]
-    distances = {got[i][2]: output_distance(outputs[i], outputs[keep]) for i in range(len(got))}
+    distances = {got[i][2]: state_distance(states[i], states[keep]) for i in range(len(got))}
     refused = [got[i][2] for i in range(len(got)) if i not in group]
     for peer in refused:
-        log.warning("replica %s served stage %d weights that disagree with %d other replica(s) (distance %.3f > %.3f): "
-                    "refused", peer[-8:], stage_index, len(group), distances[peer], tolerance)
+        i = [g[2] for g in got].index(peer)
+        log.warning("replica %s served stage %d weights that disagree with %d other replica(s) (distance %.3f, norm "
+                    "ratio %.2f): refused", peer[-8:], stage_index, len(group), distances[peer],
+                    norm_ratio(states[i], states[keep]))
     log.info("stage %d state from %s verified against %d replica(s) (distances %s)", stage_index, src[-8:],
              len(group) - 1, ", ".join(f"{d:.3f}" for p, d in distances.items() if p != src))
     return Verified(version, tensors, src, verified=True, refused=refused, distances=distances)

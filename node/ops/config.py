@@ -98,7 +98,7 @@ _HELP = {
     "peer_labels": "label metrics by peer id (off by default: cardinality grows with the swarm)",
     "attack": "TESTING ONLY: corrupt what this node sends with the named attack (needs --allow-attacks)",
     "allow_attacks": "TESTING ONLY: permit --attack",
-    "verify_state": "download a joining replica's weights from up to 3 replicas and take them only when a majority agrees on a probe microbatch (--no-verify-state: the first replica's, unchecked)",
+    "verify_state": "download a joining replica's weights from up to 3 replicas and take them only when a majority agrees (parameter distance and norm ratio) (--no-verify-state: the first replica's, unchecked)",
     "allow_unsigned": "LOCAL SWARMS ONLY: accept an unsigned manifest (refused unless every listen address is loopback)",
     "seed": "local random seed for microbatch ids and routing ties (0: from the OS)",
     "averaging": "average a slice of the weights with the other replicas of this stage (AsyncMesh)",

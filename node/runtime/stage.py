@@ -208,7 +208,7 @@ class StageRuntime:
     async def sync_from_replicas(self) -> Verified:
         """Download this stage's current weights from the other online replicas and adopt them
         (between two compute jobs) with the source's optimizer version. With ``verify_state`` the
-        weights are taken only when a majority of up to three replicas agree on them
+        weights are taken only when a majority of up to three replicas agree on them (parameter distance)
         (``node.net.state_verify``), and a replica whose weights disagree is banned. Optimizer
         moments are kept (local statistics, rebuilt within a few steps). Raises ``StateSyncError``
         when no replica gave them or the replicas' weights cannot be trusted by agreement."""
@@ -216,7 +216,7 @@ class StageRuntime:
         timeout = max(30.0, self.options.request_timeout)
         if self.options.verify_state:
             got = await fetch_verified(self.transport, peers, self.run_id, self.mhash, self.index, self.stage,
-                                       self.metrics, timeout=timeout, seed=self.manifest.run.seed)
+                                       self.metrics, timeout=timeout)
         else:
             version, tensors, src = await fetch_from_replicas(self.transport, peers, self.run_id, self.mhash,
                                                               self.index, self.stage, self.metrics, timeout=timeout)
