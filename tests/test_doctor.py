@@ -73,3 +73,18 @@ def test_doctor_reports_unreachable_bootstrap():
     check = doctor.check_reachability([maddr], timeout=30)
     assert check.status == "fail"
     assert maddr in check.detail
+
+
+def test_doctor_reports_the_manifest_signature(tmp_path):
+    from node.ops.manifest_cmd import sign_manifest
+    from security import OrganiserKey
+    from stages import load_manifest, manifest_toml
+
+    signed = sign_manifest(load_manifest("test"), OrganiserKey.generate())
+    good, bad = tmp_path / "run.toml", tmp_path / "bad.toml"
+    good.write_text(manifest_toml(signed))
+    bad.write_text(manifest_toml(signed).replace("seed = 7", "seed = 8"))
+    assert _by_name(doctor.run_checks(_args(manifest="test")))["signature"].status == "warn"
+    assert _by_name(doctor.run_checks(_args(manifest=str(good))))["signature"].status == "ok"
+    check = _by_name(doctor.run_checks(_args(manifest=str(bad))))["signature"]
+    assert check.status == "fail" and "does not verify" in check.detail

@@ -81,7 +81,8 @@ def check_memory(manifest_arg: str, stage_arg: str, device: str) -> list[Check]:
         m = load_manifest(manifest_arg)
     except ManifestError as e:
         return [Check("manifest", "fail", str(e))]
-    out = [Check("manifest", "ok", f"run {m.run.id}: {m.n_stages} stages, d={m.model.d_model}, k={m.k}")]
+    out = [Check("manifest", "ok", f"run {m.run.id}: {m.n_stages} stages, d={m.model.d_model}, k={m.k}"),
+           check_signature(m)]
     stages = range(m.n_stages) if stage_arg == "all" else [int(stage_arg)]
     free = available_device_bytes(device)
     for i in stages:
@@ -99,6 +100,20 @@ def check_memory(manifest_arg: str, stage_arg: str, device: str) -> list[Check]:
             )
         )
     return out
+
+
+def check_signature(m) -> Check:
+    """Whether `swarm-node run` will accept this manifest: signed by its organiser key, or unsigned
+    (a swarm on this machine only, with --local --allow-unsigned)."""
+    from security import manifest_signature_problem, organiser_fingerprint
+
+    if not m.run.organiser:
+        return Check("signature", "warn", "unsigned: runs only on this machine (--local --allow-unsigned); "
+                                          "a public run's organisers sign it with swarm-node manifest sign")
+    problem = manifest_signature_problem(m)
+    if problem is not None:
+        return Check("signature", "fail", f"{problem}; get the signed manifest from the run's organisers")
+    return Check("signature", "ok", f"signed by organiser {organiser_fingerprint(m.run.organiser)}")
 
 
 def check_port(port: int, what: str) -> Check:
