@@ -87,6 +87,7 @@ async def probe(maddr: str, run: str, timeout: float) -> dict:
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.crypto.x25519 import create_new_key_pair as create_x25519
     from libp2p.custom_types import TProtocol
+    from libp2p.host.exceptions import StreamFailure
     from libp2p.network.stream.exceptions import StreamReset
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE
@@ -109,8 +110,11 @@ async def probe(maddr: str, run: str, timeout: float) -> dict:
     step = "connect"
 
     async def request(protocol: str, frame: bytes) -> dict:
-        """One request stream. A stream that is reset, or ends before the first byte of a
-        reply, is retried once on a new stream and reported in ``retried``. (Rarely, the first
+        """One request stream. A stream that is reset (while its protocol is being negotiated,
+        py-libp2p's ``StreamFailure``, or after), or ends before the first byte of a reply, is
+        retried once on a new stream and reported in ``retried``. Which of the three a reset
+        shows as depends on timing: whether it reaches us before or after py-libp2p has finished
+        negotiating the stream's protocol. (Rarely, the first
         stream py-libp2p opens to a node that has just started is reset before its reply is
         read: about 1 in 30 fresh nodes on loopback; a second stream on the same connection then
         works. A node that does it to every stream still fails the probe.)"""
@@ -125,7 +129,7 @@ async def probe(maddr: str, run: str, timeout: float) -> dict:
 
         try:
             return await once()
-        except (StreamReset, NoReply) as e:
+        except (StreamFailure, StreamReset, NoReply) as e:
             out.setdefault("retried", []).append(f"{step}: {type(e).__name__}: {e}".rstrip(": "))
         return await once()
 
