@@ -57,14 +57,18 @@ def test_bootstrap_and_three_stages_train_and_leave_cleanly(tmp_path):
             for s in range(3):  # every node sees one online peer per stage
                 assert metric_sum(m, "swarm_node_peers", stage=str(s)) == 1
         assert mh["swarm_node_inflight_microbatches"] <= 2  # runs/test.toml: train.max_inflight = 2
-        assert metric_sum(mh, "swarm_node_microbatch_rtt_seconds_count") >= TRAIN_STEPS
-        assert metric_sum(mh, "swarm_node_staleness_steps_count") >= TRAIN_STEPS
+        # the metrics are read one node after the other while training goes on: a microbatch the tail
+        # has stepped on may still be on its way back (at most train.max_inflight = 2 of them), so
+        # what the stages before it count on the way back may trail the tail's steps by that much
+        lag = 2
+        assert metric_sum(mh, "swarm_node_microbatch_rtt_seconds_count") >= TRAIN_STEPS - lag
+        assert metric_sum(mh, "swarm_node_staleness_steps_count") >= TRAIN_STEPS - lag
 
         # ---- the verifier saw every accepted tensor: activations at body and tail, gradients at head and body
         assert metric_sum(mb, "swarm_node_verifier_verdicts_total", direction="act", verdict="accept") >= TRAIN_STEPS
         assert metric_sum(mt, "swarm_node_verifier_verdicts_total", direction="act", verdict="accept") >= TRAIN_STEPS
-        assert metric_sum(mh, "swarm_node_verifier_verdicts_total", direction="grad", verdict="accept") >= TRAIN_STEPS
-        assert metric_sum(mb, "swarm_node_verifier_verdicts_total", direction="grad", verdict="accept") >= TRAIN_STEPS
+        assert metric_sum(mh, "swarm_node_verifier_verdicts_total", direction="grad", verdict="accept") >= TRAIN_STEPS - lag
+        assert metric_sum(mb, "swarm_node_verifier_verdicts_total", direction="grad", verdict="accept") >= TRAIN_STEPS - lag
 
         # ---- wire bytes: k = 8 float32 codes + int32 ids forward, 8 float32 back, plus small headers
         tokens = metric_sum(mh, "swarm_node_tokens_total")
