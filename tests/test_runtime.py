@@ -612,7 +612,7 @@ async def test_architecture_warmup_unlocks_each_stages_blocks_on_the_shared_sche
     for (n, p), (_, q) in zip(fresh.stage.named_parameters(), body.stage.named_parameters()):
         assert torch.equal(p, q), n
     late = make_runtime(m, 2, "tail2", Net())
-    late.set_version(5)  # a joiner that downloaded the tail's state at step 5: layer 2 still locked
+    late.trainer.set_version(5)  # a joiner that downloaded the tail's state at step 5: layer 2 still locked
     assert late.trainer.warmup.locked == {2} and not late.stage.blocks[0].active
 
 

@@ -3,7 +3,6 @@ record validator that binds each record to its writer (docs/THREAT_MODEL.md)."""
 
 from __future__ import annotations
 
-import base64
 import time
 
 import pytest
@@ -28,7 +27,6 @@ from security import (
     verify_peer_signature,
 )
 from stages import consensus_dict, load_manifest, manifest_hash, manifest_toml
-
 
 KEY = b"\x01" * 20  # a DHT key id: the validator never sees the key in clear
 
@@ -58,7 +56,6 @@ def test_a_signed_manifest_verifies_and_any_change_breaks_it():
     assert signed.run.organiser == org.public
     # the signature is not a consensus field; the organiser is
     assert "signature" not in consensus_dict(signed) and consensus_dict(signed)["run"]["organiser"] == org.public
-    assert "unsigned" not in str(manifest_signature_problem(signed))
     assert "not signed" in manifest_signature_problem(load_manifest("test"))
     tampered = signed.replace(optim={"lr": 0.5})
     assert "does not verify" in manifest_signature_problem(tampered)
@@ -154,7 +151,6 @@ def test_the_validator_binds_the_published_manifest_to_its_organiser():
     # under its own organiser subkey a forger's manifest is valid, and is another run (namespace)
     assert v.validate(_manifest_record(forged))
     assert counter.snapshot() == {"peer": 0, "manifest": 3, "averaging": 0, "plain": 0}
-    assert base64.b64decode(org.public) != base64.b64decode(forger.public)
 
 
 def test_averaging_announcements_are_bound_to_the_peer_they_announce():

@@ -40,7 +40,13 @@ import multiprocessing
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from security import PeerKey, b58encode, peer_id_of_public_key, verify_manifest_signature, verify_peer_signature
+from security import (
+    PeerKey,
+    b58encode,
+    peer_id_of_public_key,
+    verify_manifest_signature,
+    verify_peer_signature,
+)
 from stages import consensus_hash
 
 log = logging.getLogger("swarm_node.records")
@@ -86,10 +92,10 @@ def _subkey(record: DHTRecord):
         return None
 
 
-def _owner(record: DHTRecord) -> str | None:
-    """The peer id a record must be signed by: ``peer:<id>`` subkeys (announcements) and raw peer
-    id subkeys (averaging matchmaking); None for records no peer owns."""
-    subkey = _subkey(record)
+def _owner(subkey) -> str | None:
+    """The peer id a record with this (deserialized) subkey must be signed by: ``peer:<id>``
+    subkeys (announcements) and raw peer id subkeys (averaging matchmaking); None for records no
+    peer owns."""
     if isinstance(subkey, str) and subkey.startswith(PEER_PREFIX):
         return subkey[len(PEER_PREFIX):]
     if isinstance(subkey, bytes) and (
@@ -115,7 +121,7 @@ class SwarmRecordValidator(RecordValidatorBase):
     # ---- signing (our own records)
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if self.key is None or _owner(record) != self.key.peer_id:
+        if self.key is None or _owner(_subkey(record)) != self.key.peer_id:
             return record.value
         signature = self.key.sign(_signed_bytes(record))
         return _WRAP + MSGPackSerializer.dumps([record.value, self.key.public_key, signature])
@@ -131,7 +137,8 @@ class SwarmRecordValidator(RecordValidatorBase):
     # ---- validation (everyone's records)
 
     def validate(self, record: DHTRecord) -> bool:
-        subkey, owner = _subkey(record), _owner(record)
+        subkey = _subkey(record)
+        owner = _owner(subkey)
         if record.subkey == _PLAIN:
             ok, kind = False, "plain"
         elif owner is not None:

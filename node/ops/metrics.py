@@ -203,10 +203,7 @@ class _Forged:
 
     def collect(self):
         source = self.metrics._forged_source
-        counts = {(k, "signature"): 0 for k in ("peer", "manifest", "averaging", "plain")}
-        counts.update({(k, "binding"): 0 for k in ("peer", "manifest")})
-        if source is not None:
-            counts.update(source())
+        counts = source() if source is not None else {}
         fam = CounterMetricFamily(self.NAME, self.HELP, labels=["kind", "check"])
         for (kind, check), n in sorted(counts.items()):
             fam.add_metric([kind, check], float(n))

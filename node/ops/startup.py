@@ -56,18 +56,19 @@ def announce_line(text: str) -> None:
     print(f"swarm-node: {text}", flush=True)
 
 
-def check_signed(manifest, cfg) -> None:
-    """The first check of a run: the manifest is the organisers' (signed by ``run.organiser``), or
-    unsigned on a swarm of this machine only (``--allow-unsigned``). One line with the fix if not."""
+def check_signed(manifest, name: str, allow_unsigned: bool) -> None:
+    """The first check of a run (``name``: the ``--manifest`` given): the manifest is the
+    organisers' (signed by ``run.organiser``), or unsigned and allowed (a swarm of this machine
+    only, ``--allow-unsigned``; a bootstrap peer only publishes). One line with the fix if not."""
     from security import manifest_signature_problem
 
     if manifest.run.organiser:
         problem = manifest_signature_problem(manifest)
         if problem is not None:
-            raise CliError(f"--manifest {cfg.manifest}: {problem}; get the signed manifest from the run's organisers")
+            raise CliError(f"--manifest {name}: {problem}; get the signed manifest from the run's organisers")
         return
-    if not cfg.allow_unsigned:
+    if not allow_unsigned:
         raise CliError(
-            f"--manifest {cfg.manifest} is not signed: a public run's manifest carries its organisers' signature "
+            f"--manifest {name} is not signed: a public run's manifest carries its organisers' signature "
             "(swarm-node manifest sign); for a swarm on this machine only, pass --local --allow-unsigned"
         )

@@ -202,9 +202,6 @@ class StageRuntime:
         if self.batches is not None:
             self.batches.step = int(meta.get("data_step", 0))
 
-    def set_version(self, version: int) -> None:
-        self.trainer.set_version(version)
-
     async def sync_from_replicas(self) -> Verified:
         """Download this stage's current weights from the other online replicas and adopt them
         (between two compute jobs) with the source's optimizer version. With ``verify_state`` the
