@@ -12,10 +12,14 @@ from stages.data import (  # noqa: F401
 )
 from stages.manifest import (  # noqa: F401
     Manifest, ManifestError, SentinelConfig, consensus_dict, consensus_hash, diff_manifests, even_layout, load_manifest,
-    manifest_from_dict, manifest_hash, manifest_toml,
+    manifest_from_dict, manifest_hash, manifest_toml, morph_optimizer_problem,
 )
 from stages.model import (  # noqa: F401
     Stage, Transformer, build_model, build_stage, count_parameters, lm_loss, rope_tables, split_model,
+)
+from stages.morph import (  # noqa: F401
+    MORPH_KINDS, MorphError, MorphMaster, boundary_secret, fold_input, fold_output, morph_chain, morph_width,
+    transform_from_seed,
 )
 from stages.optim import (  # noqa: F401
     build_optimizer, hidden_matrix_names, lr_at, set_lr,
@@ -43,6 +47,9 @@ __all__ = [
     "LookaheadForward",
     "Manifest",
     "ManifestError",
+    "MORPH_KINDS",
+    "MorphError",
+    "MorphMaster",
     "PartitionSchedule",
     "SentinelConfig",
     "SharpnessTracker",
@@ -55,6 +62,7 @@ __all__ = [
     "Transformer",
     "adam_preconditioner",
     "apply_average_delta",
+    "boundary_secret",
     "build_model",
     "build_optimizer",
     "build_stage",
@@ -66,6 +74,8 @@ __all__ = [
     "eos_bound",
     "even_layout",
     "first_moments",
+    "fold_input",
+    "fold_output",
     "hidden_matrix_names",
     "lm_loss",
     "load_corpus",
@@ -74,10 +84,14 @@ __all__ = [
     "manifest_from_dict",
     "manifest_hash",
     "manifest_toml",
+    "morph_chain",
+    "morph_optimizer_problem",
+    "morph_width",
     "rope_tables",
     "set_lr",
     "snapshot",
     "split_model",
+    "transform_from_seed",
     "val_batches",
     "wire_bytes_per_token",
 ]

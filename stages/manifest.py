@@ -36,6 +36,11 @@ KNOWN_PIPELINE_MODES = ("lookahead", "none", "gpipe")
 KNOWN_LOOKAHEAD_TARGETS = ("momentum", "update")
 KNOWN_LOOKAHEAD_HORIZONS = ("stage", "pipeline")
 KNOWN_BLOCK_NORMS = ("peri", "pre", "post")
+KNOWN_AUX_OPTIMIZERS = ("adamw", "sgd")
+KNOWN_MORPH_KINDS = ("orthogonal", "conditioned")
+# optimizers whose step commutes with an orthogonal change of basis of the morphed matrices
+# (stages/morph.py, docs/MORPH.md): first-moment methods; Adam's second moment is per coordinate
+MORPH_EQUIVARIANT_OPTIMIZERS = ("sgd", "muon", "numuon")
 
 
 class ManifestError(ValueError):
@@ -146,6 +151,9 @@ class OptimConfig:
     rank_decay_end_frac: float = 0.8
     # the optimizer used by muon / numuon for embeddings, head and gains
     aux_lr: float = 3e-3
+    # ... and its kind: "adamw" (betas, eps) or "sgd" (Nesterov momentum ``momentum``; equivariant
+    # under the morph, so a morphing run with muon / numuon needs it: the tail's LM head is morphed)
+    aux_optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if not self.betas:
@@ -226,6 +234,22 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True)
+class MorphConfig:
+    """Unextractable weights (docs/MORPH.md, docs/REFERENCES.md): every ``every`` optimizer steps each
+    stage boundary gets a fresh random transform, folded into the sender's output side and (its
+    inverse) into the receiver's input side. 0 = off (the default)."""
+
+    every: int = 0
+    # "orthogonal": Haar-random O(k); "conditioned": U·diag(e^u)·Vᵀ, u ~ U[-epsilon, epsilon]
+    kind: str = "orthogonal"
+    epsilon: float = 0.1
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+@dataclass(frozen=True)
 class SignatureConfig:
     """``[signature]``: the organiser's Ed25519 signature (base64) over the manifest hash, written by
     ``swarm-node manifest sign``. Not a consensus field: it signs them."""
@@ -246,6 +270,7 @@ class Manifest:
     asyncmesh: AsyncMeshConfig = field(default_factory=AsyncMeshConfig)
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    morph: MorphConfig = field(default_factory=MorphConfig)
     signature: SignatureConfig = field(default_factory=SignatureConfig)
 
     @property
@@ -269,6 +294,11 @@ class Manifest:
             data[section].update(values)
         return manifest_from_dict(data)
 
+
+# Consensus fields added after runs were already hashed: left out of the consensus dict while at
+# their default, so a manifest that does not use them hashes as before ((section, None): the whole
+# section while every field in it is at its default).
+_OMIT_AT_DEFAULT = (("optim", "aux_optimizer"), ("morph", None))
 
 # Sections and fields peers must agree on. train/data.batch_size are local choices.
 _LOCAL_ONLY = {
@@ -301,6 +331,7 @@ def _section_class(name: str) -> type:
         "asyncmesh": AsyncMeshConfig,
         "sentinel": SentinelConfig,
         "warmup": WarmupConfig,
+        "morph": MorphConfig,
         "signature": SignatureConfig,
     }[name]
 
@@ -525,6 +556,8 @@ def validate_manifest(m: Manifest) -> None:
         raise ManifestError(f"optim.betas: expected two numbers in [0, 1), got {list(o.betas)}")
     if not 0 < o.rank_final <= 1 or not 0 < o.rank_start <= 1:
         raise ManifestError("optim.rank_start / optim.rank_final: must be in (0, 1]")
+    if o.aux_optimizer not in KNOWN_AUX_OPTIMIZERS:
+        raise ManifestError(f"optim.aux_optimizer: unknown {o.aux_optimizer!r}; known: {', '.join(KNOWN_AUX_OPTIMIZERS)}")
     s = m.schedule
     if s.kind not in KNOWN_SCHEDULES:
         raise ManifestError(f"schedule.kind: unknown schedule {s.kind!r}; known: {', '.join(KNOWN_SCHEDULES)}")
@@ -582,11 +615,62 @@ def validate_manifest(m: Manifest) -> None:
                 if layer in seen:
                     raise ManifestError(f"warmup.groups: layer {layer} appears twice")
                 seen.add(layer)
+    _validate_morph(m)
+
+
+def _validate_morph(m: Manifest) -> None:
+    """``[morph]``: the fields, and that morphing can work with this model and optimizer."""
+    mo = m.morph
+    if mo.every < 0:
+        raise ManifestError(f"morph.every: must be >= 0 (0: no morphing), got {mo.every}")
+    if mo.kind not in KNOWN_MORPH_KINDS:
+        raise ManifestError(f"morph.kind: unknown kind {mo.kind!r}; known: {', '.join(KNOWN_MORPH_KINDS)}")
+    if not 0 <= mo.epsilon < 1:
+        raise ManifestError(f"morph.epsilon: must be in [0, 1), got {mo.epsilon}")
+    if not mo.enabled:
+        return
+    if m.n_stages < 2:
+        raise ManifestError("morph.every: morphing changes the basis between stages; a one-stage layout has "
+                            "no boundary (set morph.every = 0 or split the model)")
+    if not m.subspace.enabled and m.subspace.token_table_scale != 0:
+        raise ManifestError(
+            "morph.every: a dense run (subspace.enabled = false) that morphs needs subspace.token_table_scale = 0: "
+            "the frozen token table T comes from the public seed and sits in the residual stream that the "
+            "morph rotates, so any stage's activations could be aligned to it (docs/MORPH.md)"
+        )
+    problem = morph_optimizer_problem(m)
+    if problem:
+        raise ManifestError(problem)
+
+
+def morph_optimizer_problem(m: Manifest) -> str | None:
+    """Why ``m.optim`` cannot train through a morph, or None.
+
+    Every stage but the head rotates its residual frame at a morph, so every parameter of stages
+    1..S-1 is a morphed matrix: its optimizer must commute with ``W ↦ W·Q`` / ``W ↦ Qᵀ·W`` for
+    orthogonal Q. SGD with momentum and Muon / NuMuon do (their state is a first moment, which
+    transforms like the gradient, and Newton–Schulz / the SVD commute with orthogonal factors);
+    Adam's second moment is per coordinate and does not. Muon / NuMuon train the LM head (the
+    tail's, which the morph rotates) with their auxiliary optimizer, so that must be ``sgd``.
+    """
+    o = m.optim
+    if o.name not in MORPH_EQUIVARIANT_OPTIMIZERS:
+        return (f"optim.name = {o.name!r} cannot train a morphing run: its parameter groups (all matrices "
+                f"of stages 1..{m.n_stages - 1}, e.g. blocks.0.attn.qkv_proj.weight of stage 1) are rotated "
+                "at every morph, and Adam's per-coordinate second moment does not rotate with them; use "
+                f"one of {', '.join(MORPH_EQUIVARIANT_OPTIMIZERS)} or set morph.every = 0")
+    if o.name in ("muon", "numuon") and o.aux_optimizer != "sgd":
+        return (f"optim.name = {o.name!r} with optim.aux_optimizer = {o.aux_optimizer!r} cannot train a morphing "
+                f"run: its auxiliary {o.aux_optimizer} parameter group holds lm_head.weight of stage "
+                f"{m.n_stages - 1} (the tail), which the morph rotates, and Adam's per-coordinate second "
+                "moment does not rotate with it; set optim.aux_optimizer = \"sgd\" (and an aux_lr for SGD)")
+    return None
 
 
 def consensus_dict(m: Manifest) -> dict[str, Any]:
     """The fields every peer of the run must agree on (local-only choices removed; an unsigned
-    run's empty ``run.organiser`` is left out, so its hash is what it was before the field)."""
+    run's empty ``run.organiser`` is left out, so its hash is what it was before the field; so are
+    later additions while at their default: ``optim.aux_optimizer`` and the ``[morph]`` section)."""
     data = m.to_dict()
     for section, fields in _LOCAL_ONLY.items():
         if fields is None:
@@ -596,6 +680,13 @@ def consensus_dict(m: Manifest) -> dict[str, Any]:
                 data[section].pop(f, None)
     if not data["run"].get("organiser"):
         data["run"].pop("organiser", None)
+    for section, name in _OMIT_AT_DEFAULT:
+        defaults = dataclasses.asdict(_section_class(section)())
+        if name is None:
+            if data.get(section) == _plain(defaults):
+                data.pop(section, None)
+        elif data.get(section, {}).get(name) == defaults[name]:
+            data[section].pop(name, None)
     return data
 
 

@@ -350,6 +350,14 @@ class Stage(nn.Module):
         self.embed = _make_embedding(manifest) if self.is_head else None
         self.blocks = nn.ModuleList(_make_block(manifest, i) for i in self.layer_range)
         self.lm_head = nn.Linear(md.d_model, md.vocab_size, bias=False) if self.is_tail else None
+        # morphing (stages/morph.py): the k×k maps between the boundary codes and this stage's own
+        # code frame, float64 (folded in float64); identity until the first morph. Only in a run
+        # that morphs, so that other runs' state dicts are unchanged.
+        morph = getattr(manifest, "morph", None)
+        morphing = morph is not None and morph.enabled
+        eye = torch.eye(self.codec.k, dtype=torch.float64)
+        self.register_buffer("morph_in", eye.clone() if morphing and not self.is_head else None)
+        self.register_buffer("morph_out", eye.clone() if morphing and not self.is_tail else None)
 
     @property
     def k(self) -> int:
@@ -379,18 +387,27 @@ class Stage(nn.Module):
                     f"stage {self.index}: code shape {tuple(x.shape)} != expected "
                     f"{self.boundary_shape(*ids.shape)} for ids {tuple(ids.shape)}"
                 )
+            if self.morph_in is not None:
+                x = _morph_code(x, self.morph_in)
             h = self.codec.decode(x, ids)
         for block in self.blocks:
             h = block(h, rope, U)
         if self.is_tail:
             return self.lm_head(rmsnorm(h, self.eps))
-        return self.codec.encode(h, ids)
+        c = self.codec.encode(h, ids)
+        return c if self.morph_out is None else _morph_code(c, self.morph_out)
 
     def extra_repr(self) -> str:
         role = "head" if self.is_head else "tail" if self.is_tail else "body"
         if self.is_head and self.is_tail:
             role = "head+tail"
         return f"index={self.index}/{self.n_stages}, {role}, layers={list(self.layer_range)}"
+
+
+def _morph_code(c: Tensor, M: Tensor) -> Tensor:
+    """``c·M`` in float32 (autocast off): a boundary code through a stage's k×k morph map."""
+    with torch.autocast(device_type=c.device.type, enabled=False):
+        return c.float() @ M.to(torch.float32)
 
 
 def split_model(model: Transformer, manifest) -> list[Stage]:

@@ -9,7 +9,9 @@
 - ``muon`` / ``numuon``: :class:`Muon` / :class:`NuMuon` for the *hidden matrices* and AdamW
   (``manifest.optim.aux_lr``, ``betas``, ``eps``) for everything else (embeddings, LM head, gains,
   1-D parameters), as param groups of the same optimizer object (``use_muon`` per group), so
-  ``set_lr``, schedules and state dicts see one optimizer.
+  ``set_lr``, schedules and state dicts see one optimizer. ``optim.aux_optimizer = "sgd"`` makes
+  that auxiliary optimizer SGD with Nesterov momentum (``optim.momentum``) instead: a morphing run
+  needs it (docs/MORPH.md), since Adam's per-coordinate second moment does not follow a rotation.
 
 Hidden matrices (:func:`hidden_matrix_names`): parameters with ``ndim >= 2`` whose name does not
 mark them as an embedding or output head. In the Subspace model a residual writer is
@@ -221,7 +223,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon: bad hyperparameters lr={lr} momentum={momentum} "
                              f"weight_decay={weight_decay} ns_steps={ns_steps}")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        ns_steps=ns_steps, betas=tuple(betas), eps=eps, use_muon=True, **extra_defaults)
+                        ns_steps=ns_steps, betas=tuple(betas), eps=eps, use_muon=True, aux="adamw",
+                        **extra_defaults)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         self.global_step = 0  # optimizer steps taken; NuMuon's rank schedule reads it
@@ -252,6 +255,8 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)
+            elif group.get("aux", "adamw") == "sgd":
+                self._sgd_group_step(group)
             else:
                 self._adamw_group_step(group)
         self.global_step += 1
@@ -277,6 +282,26 @@ class Muon(torch.optim.Optimizer):
             if wd:
                 p.mul_(1.0 - lr * wd)
             p.add_(d, alpha=-lr)
+
+    def _sgd_group_step(self, group: dict) -> None:
+        """Auxiliary SGD (``aux="sgd"``): ``M ← β·M + G``, ``W ← (1 − ηλ)·W − η·(G + β·M)`` (Nesterov)
+        or ``− η·M``. Linear in (W, G, M), so it commutes with any fixed change of basis."""
+        lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.mul_(beta).add_(g)
+            state["step"] += 1
+            u = g.add(buf, alpha=beta) if group["nesterov"] else buf
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            p.add_(u, alpha=-lr)
 
     def _adamw_group_step(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -326,6 +351,8 @@ class Muon(torch.optim.Optimizer):
         wd = group["weight_decay"]
         if group["use_muon"]:
             d = self._muon_direction(p, state["momentum_buffer"], group, state, update_state=False)
+        elif group.get("aux", "adamw") == "sgd":
+            d = state["momentum_buffer"].clone()
         else:
             b1, b2 = group["betas"]
             t = max(1, int(state["step"].item()))
@@ -458,7 +485,7 @@ def build_optimizer(
         groups.append({"params": [params[n] for n in hidden], "use_muon": True, "lr": o.lr,
                        "weight_decay": o.weight_decay, "lr_scale": 1.0})
     for g in _adam_groups(module, o.weight_decay, exclude=set(hidden)):
-        g.update(use_muon=False, lr=o.aux_lr, lr_scale=o.aux_lr / o.lr)
+        g.update(use_muon=False, aux=o.aux_optimizer, lr=o.aux_lr, lr_scale=o.aux_lr / o.lr)
         groups.append(g)
     common = dict(lr=o.lr, momentum=o.momentum, betas=o.betas, eps=o.eps)
     if o.name == "muon":

@@ -33,6 +33,7 @@ __all__ = [
     "SubspaceCodec",
     "DenseCodec",
     "make_codec",
+    "project_off",
     "codec_fingerprint",
     "id_bytes",
     "wire_bytes_per_token",
@@ -140,7 +141,8 @@ def make_codec(manifest) -> SubspaceCodec | DenseCodec:
     """The codec of a run: Subspace when ``manifest.subspace.enabled``, else dense.
 
     Both carry the frozen token table T (scale ``subspace.token_table_scale``): the dense model
-    uses it too, so that dense and subspace runs differ only in the constraint.
+    uses it too, so that dense and subspace runs differ only in the constraint. A morphing run
+    (``morph.every > 0``) gets T with its span(U) part removed (:func:`project_off`).
     """
     md, sub = manifest.model, manifest.subspace
     T = make_token_table(
@@ -149,7 +151,19 @@ def make_codec(manifest) -> SubspaceCodec | DenseCodec:
     if not sub.enabled:
         return DenseCodec(md.d_model, T)
     U = make_basis(md.d_model, manifest.k, derive_seed(manifest.run.seed, "basis"))
+    if getattr(manifest, "morph", None) is not None and manifest.morph.enabled:
+        T = project_off(T, U)
     return SubspaceCodec(U, T)
+
+
+def project_off(T: Tensor, U: Tensor) -> Tensor:
+    """``T − (T·U)·Uᵀ`` (float64, cast to float32): the table with its span(U) part removed.
+
+    A morphing run (stages/morph.py) uses it: the morph rotates span(U), and a public table with a
+    part there would be a fixed reference every stage's weights and activations could be aligned
+    to; with it removed, span(U) holds only trained content (docs/MORPH.md)."""
+    t, u = T.double(), U.double()
+    return (t - (t @ u) @ u.T).to(torch.float32).contiguous()
 
 
 def codec_fingerprint(codec: SubspaceCodec | DenseCodec) -> str:
