@@ -68,6 +68,7 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         choose_stage,
         ephemeral_identity,
         start_dht,
+        start_failure_line,
         stop_dht,
     )
     from node.ops import (
@@ -134,9 +135,11 @@ def run_node(cfg: node_config.NodeConfig) -> int:
             from node.net import p2p_options
 
             in_use = asyncio.run(anonymous_identity_in_use(
-                cfg.identity, cfg.initial_peers, timeout=5.0,
+                cfg.identity, cfg.initial_peers, timeout=5.0, startup_timeout=cfg.bootstrap_timeout,
                 host_maddrs=["/ip4/127.0.0.1/tcp/0"] if cfg.local else ["/ip4/0.0.0.0/tcp/0"],
                 **p2p_options(cfg.local)))
+            # None: the check's daemon did not start (e.g. no initial peer answered it); the join
+            # below retries and, if it fails too, says why in the same one line as without --identity
             if in_use:
                 raise CliError(
                     f"identity {cfg.identity} is already online in this swarm (another node runs with this key); "
@@ -145,16 +148,10 @@ def run_node(cfg: node_config.NodeConfig) -> int:
         try:
             dht = start_dht(cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs, identity, local=cfg.local,
                             retries=cfg.bootstrap_retries, timeout=cfg.bootstrap_timeout, forgeries=forgeries)
-        except BootstrapError as e:
-            raise CliError(str(e)) from None
-        except IdentityInUse as e:
+        except (BootstrapError, IdentityInUse) as e:
             raise CliError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - p2pd refused to start: say why in one line
-            text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            if "address already in use" in text.lower():
-                raise CliError(f"a listen port in --host-maddrs {' '.join(cfg.host_maddrs)} is already in use; "
-                               "choose another port") from None
-            raise CliError(f"could not start the p2p daemon: {text[:300]}") from None
+            raise CliError(start_failure_line(e, cfg.host_maddrs)) from None
         peer_id = dht.peer_id.to_base58()
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         membership = Membership(dht, manifest, ttl=max(4 * cfg.announce_every, 10.0))

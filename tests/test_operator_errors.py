@@ -3,11 +3,23 @@ traceback, and a non-zero exit, before anything is left running.
 
 The cases run concurrently against one bootstrap peer (and, for "identity already online", one
 node that holds the identity), so the whole file costs about one node start-up.
+
+Failures of the network (nothing listening, no route, no answer, a wrong peer id, a relay that
+does not relay) end the same way whatever flags are given, including the README's own join
+command. As root, the cases that need a network this machine does not have (no route, a firewall
+that drops) and the README's command as printed (a public node: NAT port mapping, AutoNAT and
+relays on) run in a network namespace of their own with only a loopback interface, so nothing
+they send leaves it; without root those are skipped, and the README's command runs with
+``--local`` added.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,12 +42,44 @@ def _keygen(path: Path) -> str:
     return write_identity(path)
 
 
+CAN_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("iptables") is not None
+DROPPED_PORT = 4444  # inside the namespace, a firewall drops every SYN to 127.0.0.1:4444
+
+
+@contextlib.contextmanager
+def loopback_namespace():
+    """A network namespace with only ``lo`` up, and a rule dropping TCP to ``DROPPED_PORT`` (its
+    name; removed on exit). None without root."""
+    if not CAN_NETNS:
+        yield None
+        return
+    name = f"swn-operr-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        for cmd in (["ip", "link", "set", "lo", "up"],
+                    ["iptables", "-A", "INPUT", "-p", "tcp", "--dport", str(DROPPED_PORT), "-j", "DROP"]):
+            subprocess.run(["ip", "netns", "exec", name, *cmd], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def readme_join_command() -> list[str]:
+    """The operators' `swarm-node run` command from README.md, as printed there."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("### Operators: join"):]
+    m = re.search(r"^swarm-node run (?:.*\\\n)*.*$", block, re.M)
+    assert m, "README.md: no `swarm-node run` command under 'Operators: join'"
+    return shlex.split(m.group(0).replace("\\\n", " "))
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     """Start every bad invocation at once; collect (exit code, stderr) per case."""
     tmp = tmp_path_factory.mktemp("operator-errors")
     sw = LocalSwarm("test", workdir=tmp / "swarm")
     held = []
+    stack = contextlib.ExitStack()
     try:
         peers = sw.start_bootstrap()
         boot_id = peers[0].rsplit("/p2p/", 1)[1]
@@ -93,10 +137,57 @@ def outcomes(tmp_path_factory):
             "unsigned_public": ["run", "--allow-unsigned", "--manifest", "test", "--metrics-port", "-1"],
             "tampered": ["run", "--local", "--manifest", str(tampered), "--metrics-port", "-1"],
         }
+        # ---- failures of the network, with and without --identity (which adds a check that asks
+        # the swarm first whether the key is online)
+        home = tmp / "home" / ".swarm-node"  # the README's ~/.swarm-node
+        home.mkdir(parents=True)
+        _keygen(home / "identity.key")
+        other_id = _keygen(tmp / "stranger.key")  # a peer id nobody runs
+        quick = ["--bootstrap-retries", "2", "--bootstrap-timeout", "5"]
+        live = peers[0].rsplit("/p2p/", 1)[0]
+        unreachable = cases["unreachable"]
+        cases.update({
+            "unreachable_identity": unreachable + ["--identity", str(home / "identity.key")],
+            "wrong_peer_id": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),
+                                     "--initial-peers", f"{live}/p2p/{other_id}", *quick],
+            "relay_refused": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),
+                                     "--initial-peers", f"{peers[0]}/p2p-circuit/p2p/{other_id}", *quick],
+        })
+        # the README's join command with its placeholders filled in: a signed manifest, the
+        # bootstrap peer's id at 127.0.0.1:31337 where nothing listens (in the namespace), the
+        # README's paths under a temporary home; the CPU where there is no CUDA
+        ns = stack.enter_context(loopback_namespace())
+        signed_path = tmp / "RUN.toml"
+        signed_path.write_text(manifest_toml(signed))
+        readme = [tok.replace("RUN.toml", str(signed_path)).replace("BOOTSTRAP_IP", "127.0.0.1")
+                  .replace("BOOTSTRAP_PEER_ID", boot_id).replace("~/.swarm-node", str(home))
+                  for tok in readme_join_command()[1:]]
+        import torch
+
+        if not torch.cuda.is_available():
+            readme[readme.index("--device") + 1] = "cpu"
+        if ns is None:  # no namespace to keep a public node's traffic in: loopback only
+            readme[readme.index("--metrics-port") + 1] = str(free_port())
+            dead_port = dead.split("/tcp/")[1].split("/")[0]
+            readme = [tok.replace("/tcp/31337/", f"/tcp/{dead_port}/") for tok in readme] + ["--local"]
+        i = readme.index("--identity")
+        no_identity = readme[:i] + readme[i + 2:]
+        # the two run side by side (in one namespace)
+        no_identity[no_identity.index("--metrics-port") + 1] = "9101" if ns is not None else str(free_port())
+        in_ns = {"readme_join": readme, "readme_join_no_identity": no_identity}
+        if ns is not None:
+            in_ns.update({
+                "no_route": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),
+                                    "--initial-peers", f"/ip4/192.0.2.1/tcp/31337/p2p/{boot_id}", *quick],
+                "no_answer": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),
+                                     "--initial-peers", f"/ip4/127.0.0.1/tcp/{DROPPED_PORT}/p2p/{boot_id}", *quick],
+            })
         procs = {}
-        for name, argv in cases.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "node.ops.cli", *argv], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, start_new_session=True, env=sw.env)
+        for name, argv in [*cases.items(), *in_ns.items()]:
+            prefix = ["ip", "netns", "exec", ns] if name in in_ns and ns is not None else []
+            procs[name] = subprocess.Popen([*prefix, sys.executable, "-m", "node.ops.cli", *argv],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           start_new_session=True, env=sw.env)
         sw.wait_ready([owner], timeout=150)
         procs["identity_in_use"] = subprocess.Popen(
             [sys.executable, "-m", "node.ops.cli", *base, "--metrics-port", "-1", "--identity", str(taken),
@@ -111,11 +202,13 @@ def outcomes(tmp_path_factory):
                 os.killpg(p.pid, 9)
                 out, err = p.communicate()
             results[name] = (p.returncode, err, out, time.monotonic() - t0, p.pid)
-        yield {**results, "_ports": (mport, lport), "_dead": dead, "_other": other, "_open_key": open_key}
+        yield {**results, "_ports": (mport, lport), "_dead": dead, "_other": other, "_open_key": open_key,
+               "_live": live, "_other_id": other_id, "_boot_id": boot_id, "_ns": ns}
     finally:
         for s in held:
             s.close()
         sw.close()
+        stack.close()
 
 
 def one_error_line(err: str) -> str:
@@ -137,8 +230,49 @@ def check(outcomes, name: str) -> str:
 
 def test_unreachable_bootstrap_names_the_multiaddr_and_the_fix(outcomes):
     line = check(outcomes, "unreachable")
-    assert outcomes["_dead"] in line
-    assert "after 2 attempts" in line and "bootstrap peer is running" in line
+    port = outcomes["_dead"].split("/tcp/")[1].split("/")[0]
+    assert f"after 2 attempts: {outcomes['_dead']}: nothing listens at 127.0.0.1:{port} (connection refused)" in line
+    assert "bootstrap peer is running" in line
+
+
+def test_unreachable_bootstrap_with_identity_is_the_same_one_line(outcomes):
+    # with --identity, a throwaway daemon first asks the swarm whether the key is online; when it
+    # reaches nobody, the join's own retries decide, and the line is the one without --identity
+    assert check(outcomes, "unreachable_identity") == check(outcomes, "unreachable")
+
+
+def test_the_readme_join_command_with_a_bootstrap_that_does_not_answer(outcomes):
+    line = check(outcomes, "readme_join")
+    assert "could not reach any initial peer after 4 attempts" in line
+    assert f"/p2p/{outcomes['_boot_id']}: nothing listens at 127.0.0.1:" in line
+    assert "check that the bootstrap peer is running" in line
+    assert line == check(outcomes, "readme_join_no_identity")
+
+
+def test_a_wrong_peer_id_at_a_live_address(outcomes):
+    line = check(outcomes, "wrong_peer_id")
+    assert f"{outcomes['_live']}/p2p/{outcomes['_other_id']}: 127.0.0.1:" in line
+    assert "answers, but no libp2p connection to the peer was made" in line and "/p2p/ id" in line
+
+
+def test_a_relay_that_does_not_relay(outcomes):
+    line = check(outcomes, "relay_refused")
+    assert "p2p-circuit" in line and "the relay at 127.0.0.1:" in line
+    assert "no relayed connection" in line and "use the peer's direct multiaddr" in line
+
+
+@pytest.mark.skipif(not CAN_NETNS, reason="needs root (ip netns, iptables) for a network without a route")
+def test_no_route_to_the_bootstrap_peer(outcomes):
+    line = check(outcomes, "no_route")
+    assert "this machine has no route to 192.0.2.1 (network is unreachable)" in line
+    assert "check this machine's network connection" in line
+
+
+@pytest.mark.skipif(not CAN_NETNS, reason="needs root (ip netns, iptables) for a firewall that drops")
+def test_a_bootstrap_address_that_does_not_answer(outcomes):
+    line = check(outcomes, "no_answer")
+    assert f"127.0.0.1:{DROPPED_PORT} does not answer (no answer within 3 s)" in line
+    assert f"a firewall drops TCP port {DROPPED_PORT}" in line
 
 
 def test_manifest_mismatch_names_the_differing_fields(outcomes):

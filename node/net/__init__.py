@@ -37,6 +37,7 @@ _EXPORTS = {
     "parameters_of": "node.net.state_sync",
     "serve_state": "node.net.state_sync",
     "start_dht": "node.net.membership",
+    "start_failure_line": "node.net.reach",
     "stop_dht": "node.net.membership",
 }
 __all__ = sorted(_EXPORTS)

@@ -14,6 +14,7 @@ an identity that is already online (two daemons with one peer id break routing f
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from node.ops import CliError
 from security import new_ed25519_key, peer_id_from_key  # noqa: F401 - the key codec lives in security/
+
+log = logging.getLogger("swarm_node.identity")
 
 # ----------------------------------------------------------------------------- files
 
@@ -140,16 +143,25 @@ async def identity_in_use(p2p_or_transport, peer_id: str, maddrs=(), *, timeout:
 
 async def anonymous_identity_in_use(
     identity_path: str | os.PathLike, initial_peers, *, timeout: float = 5.0, **start_kwargs
-) -> bool:
+) -> bool | None:
     """Start a throwaway daemon with a random identity, bootstrapped from ``initial_peers``, and
     ask :func:`identity_in_use` about the peer id of ``identity_path``. For ``swarm-node run``
-    before it starts its own daemon with that identity."""
+    before it starts its own daemon with that identity. None (logged) when the question could
+    not be asked: the throwaway daemon did not start, e.g. it reached none of ``initial_peers``
+    (the caller's own join then retries them and reports that failure in one line)."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
     from node.net.p2p import Transport
 
     peer_id = check_identity(identity_path)
     if not initial_peers:
         return False  # a first node of a swarm has nobody to collide with
-    transport = await Transport.start(initial_peers=list(initial_peers), **start_kwargs)
+    try:
+        transport = await Transport.start(initial_peers=list(initial_peers), **start_kwargs)
+    except (P2PDaemonError, OSError) as e:
+        text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        log.info("could not ask the swarm whether identity %s is online: %s", identity_path, text[:300])
+        return None
     try:
         return await identity_in_use(transport, peer_id, (), timeout=timeout)
     finally:

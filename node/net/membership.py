@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils import get_dht_time
 
+from node.net.reach import unreachable_line
 from node.net.records import ForgeryCounter, SwarmRecordValidator, manifest_subkey, peer_subkey
 from node.net.routing import announced_rate
 from node.ops import processes, set_parent_death_signal
@@ -179,17 +180,17 @@ def start_dht(
                     f"identity {identity_path} is already online in this swarm (peer id in use); "
                     "stop the other node or use another key (swarm-node keygen)"
                 ) from None
-            if not initial_peers or not ("bootstrap" in text.lower() or isinstance(e, TimeoutError)):
+            # p2pd connects to its initial peers before it says it is ready: a start that ends in
+            # "failed to connect to bootstrap peers", or that times out (a peer that never answers
+            # or never completes the libp2p handshake), is a reachability problem
+            reach = "bootstrap" in text.lower() or "failed to start in" in text or isinstance(e, TimeoutError)
+            if not initial_peers or not reach:
                 raise  # not a reachability problem: retrying will not help
             log.warning("bootstrap attempt %d/%d failed: %s", attempt + 1, retries, text.strip()[:200])
             if attempt + 1 < retries:
                 time.sleep(retry_delay * 2**attempt)
-    shown = " ".join(initial_peers)
-    raise BootstrapError(
-        f"could not reach any initial peer after {retries} attempts: {shown} "
-        f"({str(last).strip()[:120]}); check that the bootstrap peer is running and the multiaddr "
-        "(address, port and /p2p/ id) is what `swarm-node bootstrap` printed"
-    )
+    log.info("p2pd's last word: %s", str(last).strip()[:300])
+    raise BootstrapError(unreachable_line(initial_peers, max(1, retries)))
 
 
 def _stop(dht: hivemind.DHT) -> None:

@@ -67,7 +67,7 @@ def _main(args) -> int:
             raise CliError(f"--manifest {args.manifest}: {e}") from None
         check_signed(manifest, args.manifest, allow_unsigned=True)  # a tampered file is refused
 
-    from node.net import BootstrapError, ManifestMismatch, Membership, start_dht, stop_dht
+    from node.net import BootstrapError, ManifestMismatch, Membership, start_dht, start_failure_line, stop_dht
 
     stop = threading.Event()
 
@@ -80,9 +80,8 @@ def _main(args) -> int:
                         local=args.local)
     except BootstrapError as e:
         raise CliError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - p2pd refused to start
-        text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CliError(f"could not start the p2p daemon: {text[:300]}") from None
+    except Exception as e:  # noqa: BLE001 - p2pd refused to start: say why in one line
+        raise CliError(start_failure_line(e, list(host))) from None
     try:
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
         print(f"swarm-node: bootstrap peer {dht.peer_id.to_base58()} is up; nodes join with --initial-peers "
