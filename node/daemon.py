@@ -282,7 +282,7 @@ class Node:
             queue_size=cfg.queue_size, context_ttl=cfg.context_ttl, request_timeout=cfg.request_timeout,
             max_inflight=cfg.max_inflight, steps=cfg.steps, checkpoint_every=cfg.checkpoint_every,
             forward_deadline=max(10.0, cfg.request_timeout * 2), use_amp=self.device.type == "cuda",
-            verify_state=cfg.verify_state,
+            verify_state=cfg.verify_state, ping_every=10.0,
         )
         rt = StageRuntime(
             self.m, self.index, self.stage, self.optimizer, transport=transport, router=self.router,
@@ -353,7 +353,7 @@ class Node:
     # ---- the event loop
 
     async def serve(self) -> int:
-        from node.net import PeerRecord, StateSyncError, Transport
+        from node.net import PeerRecord, StateSyncError, Transport, poll_connections
         from node.runtime import max_batch_for
         from protocol import Limits
 
@@ -373,8 +373,12 @@ class Node:
         self.runtime = rt = self._runtime(transport)
         await rt.start()
         self.metrics.attach_wire_stats(lambda: transport.stats.bytes)
+        self.metrics.attach_neighbour_bytes(rt.neighbour_bytes)
+        tracker = self._watch_connections()
         bg = [asyncio.ensure_future(self._announce_loop(PeerRecord)),
-              asyncio.ensure_future(rt.maintain(beat=self.server.beat if self.server else None))]
+              asyncio.ensure_future(rt.maintain(beat=self.server.beat if self.server else None)),
+              asyncio.ensure_future(poll_connections(transport, tracker, every=2.0,
+                                                     stopping=lambda: self._closing))]
         code = 0
         try:
             # ---- join
@@ -394,6 +398,22 @@ class Node:
         finally:
             code = await self._shutdown(bg)
         return code
+
+    def _watch_connections(self):
+        """The daemon's connections (direct or relayed, by the stage each peer holds) and its
+        hole punches, for the metrics (``node.net.connections``)."""
+        from node.net import ConnectionTracker, DaemonMetrics
+
+        def stage_of(peer: str) -> str | None:
+            p = self.router.peers.get(peer)
+            return str(p.stage) if p is not None and p.in_dht else None
+
+        tracker = ConnectionTracker(stage_of=stage_of)
+        self.metrics.attach_connections(tracker.snapshot)
+        url = getattr(self.dht, "daemon_metrics_url", None)
+        if url:
+            self.metrics.attach_holepunch(DaemonMetrics(url).holepunch)
+        return tracker
 
     async def _join_state(self, rt, StateSyncError, attempts: int = 6, wait_s: float = 10.0) -> None:
         """A new replica's weights: downloaded from the online replicas of its stage (verified by

@@ -96,10 +96,23 @@ class SwarmDHT(hivemind.DHT):
 
     Must be started from the main thread: the parent-death signal fires when the *thread* that
     forked the child exits.
+
+    ``daemon_metrics_addr`` (``host:port``, set before starting): p2pd also serves go-libp2p's own
+    Prometheus metrics there (``-metricsAddr``; hivemind has no switch for it, so the child adds
+    it to the daemon's command line), which is where hole-punch outcomes are counted
+    (``node.net.connections.DaemonMetrics``).
     """
+
+    daemon_metrics_addr: str | None = None
+
+    @property
+    def daemon_metrics_url(self) -> str | None:
+        return f"http://{self.daemon_metrics_addr}/metrics" if self.daemon_metrics_addr else None
 
     def run(self) -> None:
         parent = self._parent_pid
+        if self.daemon_metrics_addr:
+            _add_daemon_flag("metricsAddr", self.daemon_metrics_addr)
         # Our own process group: a signal to the node's group (Ctrl-C in a terminal, `timeout`,
         # systemd) must not kill the DHT or its p2pd under the node's feet; the node stops them in
         # order. If the node itself dies, the parent-death signal takes them down.
@@ -124,6 +137,18 @@ class SwarmDHT(hivemind.DHT):
         super().run()
 
 
+def _add_daemon_flag(name: str, value: str) -> None:
+    """In the DHT's child process only: every p2pd that hivemind starts here gets ``-name=value``."""
+    from hivemind.p2p import P2P
+
+    make_args = P2P._make_process_args
+
+    def with_flag(*args, **kwargs):
+        return make_args(*args, **{**kwargs, name: value})
+
+    P2P._make_process_args = staticmethod(with_flag)
+
+
 def p2p_options(local: bool) -> dict:
     """hivemind P2P options: loopback swarms switch off NAT port mapping, relays and AutoNAT."""
     if local:
@@ -141,6 +166,7 @@ def start_dht(
     timeout: float = 15.0,
     retry_delay: float = 1.0,
     forgeries: ForgeryCounter | None = None,
+    daemon_metrics: bool | None = None,
 ) -> SwarmDHT:
     """Start the DHT (and its p2pd), bootstrapping from ``initial_peers`` with retries.
 
@@ -149,7 +175,13 @@ def start_dht(
     are refused and counted in ``forgeries``. Raises ``BootstrapError`` naming the peers and the fix
     when none answers after ``retries`` attempts, ``IdentityInUse`` when the key's peer id is
     already online. Call from the main thread.
+
+    ``daemon_metrics``: p2pd serves its own Prometheus metrics on a free loopback port
+    (``dht.daemon_metrics_url``); default: when hole punching is on (``auto_nat``), since its
+    outcomes are what the node re-exports from there.
     """
+    if daemon_metrics is None:
+        daemon_metrics = bool(p2p_options(local)["auto_nat"])
     key = PeerKey(open(identity_path, "rb").read()) if identity_path else None
     kwargs = dict(
         host_maddrs=host_maddrs,
@@ -168,6 +200,10 @@ def start_dht(
     last: Exception | None = None
     for attempt in range(max(1, retries)):
         dht = SwarmDHT(initial_peers=initial_peers or None, start=False, **kwargs)
+        if daemon_metrics:
+            from node.net.connections import free_tcp_port
+
+            dht.daemon_metrics_addr = f"127.0.0.1:{free_tcp_port()}"
         try:
             dht.run_in_background(await_ready=True, timeout=timeout + 5)
             return dht

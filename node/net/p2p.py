@@ -85,6 +85,9 @@ class TransportStats:
     """
 
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    # the same bytes by (protocol, role, direction): role "client" for exchanges we opened,
+    # "server" for those a peer opened (which neighbour a protocol's bytes went to follows from it)
+    role_bytes: dict[tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
     frames: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     served: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -218,7 +221,7 @@ class Transport:
             reply = handler(frame, peer)
             if inspect.isawaitable(reply):
                 reply = await reply
-            await self._write(writer, protocol_id, encode_reply(reply))
+            await self._write(writer, protocol_id, encode_reply(reply), "server")
 
         await self._register(protocol_id, respond, limits)
 
@@ -230,7 +233,7 @@ class Transport:
 
         async def respond(frame: Frame, peer: str, writer: asyncio.StreamWriter) -> None:
             async for reply in handler(frame, peer):
-                await self._write(writer, protocol_id, encode_reply(reply))
+                await self._write(writer, protocol_id, encode_reply(reply), "server")
 
         await self._register(protocol_id, respond, limits)
 
@@ -270,7 +273,7 @@ class Transport:
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
-                    frame = await self._read_frame(reader, writer, protocol_id, limits)
+                    frame = await self._read_frame(reader, writer, protocol_id, limits, "server")
                 if frame is None:
                     raise ProtocolError(Reason.BAD_FRAME, "stream closed before a frame")
                 self.stats.served[protocol_id] += 1
@@ -307,7 +310,7 @@ class Transport:
     async def _send_reject(self, writer: asyncio.StreamWriter, protocol_id: str, reason: Any, detail: str) -> None:
         self.stats.rejects_sent[(protocol_id, Reason(reason).value)] += 1
         with contextlib.suppress(ConnectionError, OSError):
-            await self._write(writer, protocol_id, make_reject(reason, detail))
+            await self._write(writer, protocol_id, make_reject(reason, detail), "server")
 
     # ------------------------------------------------------------------ calling
 
@@ -352,8 +355,8 @@ class Transport:
     ) -> Frame | None:
         # Read while writing: a busy or rejecting peer answers before it has read our frame and
         # closes its side; its reply is what the caller needs, not the broken pipe.
-        write_task = asyncio.ensure_future(self._write(writer, protocol_id, buffers))
-        read_task = asyncio.ensure_future(self._read_frame(reader, writer, protocol_id, limits))
+        write_task = asyncio.ensure_future(self._write(writer, protocol_id, buffers, "client"))
+        read_task = asyncio.ensure_future(self._read_frame(reader, writer, protocol_id, limits, "client"))
         try:
             await asyncio.wait([write_task, read_task], return_when=asyncio.FIRST_COMPLETED)
             if not read_task.done() and write_task.exception() is not None:
@@ -404,11 +407,12 @@ class Transport:
                 reader, writer = await self._open(peer_id, protocol_id)
             try:
                 async with asyncio.timeout(timeout):
-                    await self._write(writer, protocol_id, buffers)
+                    await self._write(writer, protocol_id, buffers, "client")
                 while True:
                     try:
                         async with asyncio.timeout(timeout):
-                            frame = await self._read_frame(reader, writer, protocol_id, limits or self.limits)
+                            frame = await self._read_frame(reader, writer, protocol_id, limits or self.limits,
+                                                           "client")
                     except (ConnectionError, OSError) as e:
                         raise PeerUnreachable(f"{peer_id} broke the {protocol_id} stream: {e!r}") from e
                     except ProtocolError as e:
@@ -467,19 +471,32 @@ class Transport:
     # ------------------------------------------------------------------ frame I/O
 
     async def _read_frame(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol_id: str, limits: Limits | None = None
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol_id: str,
+        limits: Limits | None = None, role: str = "server",
     ) -> Frame | None:
         """One frame (``streams.read_frame``, limits checked before the body is allocated), counted."""
         frame, nbytes = await read_frame(reader, writer, limits or self.limits)
         if frame is not None:
             self.stats.bytes[(protocol_id, "in")] += nbytes
+            self.stats.role_bytes[(protocol_id, role, "in")] += nbytes
             self.stats.frames[(protocol_id, "in")] += 1
         return frame
 
-    async def _write(self, writer: asyncio.StreamWriter, protocol_id: str, buffers: list) -> None:
+    async def _write(self, writer: asyncio.StreamWriter, protocol_id: str, buffers: list, role: str) -> None:
         """Write an encoded frame (``streams.write_frame``), counted."""
-        self.stats.bytes[(protocol_id, "out")] += await write_frame(writer, buffers)
+        n = await write_frame(writer, buffers)
+        self.stats.bytes[(protocol_id, "out")] += n
+        self.stats.role_bytes[(protocol_id, role, "out")] += n
         self.stats.frames[(protocol_id, "out")] += 1
+
+    # ------------------------------------------------------------------ connections
+
+    async def connections(self) -> list[tuple[str, Any]]:
+        """The daemon's open libp2p connections: ``(peer id, remote multiaddr)``, one per connection
+        (a peer may have several; a relayed one's address has ``/p2p-circuit``, see
+        ``node.net.connections``)."""
+        return [(info.peer_id.to_base58(), info.addrs[0] if info.addrs else None)
+                for info in await self.p2p.list_peers()]
 
 
 async def start_daemon(*, host_maddrs: Sequence[str], announce_maddrs: Sequence[str], initial_peers: Sequence[str],

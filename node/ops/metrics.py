@@ -112,6 +112,17 @@ class NodeMetrics:
                                       ["peer", "protocol", "result"], registry=r) if peer_labels else None)
         self.peer_rtt = (Gauge("swarm_node_peer_ack_seconds", "EMA of the time a peer takes to acknowledge",
                                ["peer", "stage"], registry=r) if peer_labels else None)
+        # per neighbour stage (label values: stage indices, so at most n_stages series each)
+        self.neighbour_rtt = Histogram("swarm_node_neighbour_rtt_seconds",
+                                       "Round trip of one request to a peer of a neighbour stage (health: the "
+                                       "bare network round trip; fwd/bwd: including writing the tensors)",
+                                       ["peer_stage", "protocol"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._neighbour_bytes_source = None
+        r.register(_NeighbourBytes(self))
+        self._connections_source = None
+        r.register(_Connections(self))
+        self._holepunch_source = None
+        r.register(_HolePunch(self))
         self.uptime_start = Gauge("swarm_node_start_time_seconds", "Unix time the node started", registry=r)
         self.uptime_start.set(time.time())
         self.set_state("starting")
@@ -147,6 +158,26 @@ class NodeMetrics:
         (a plain value that would replace a dictionary); check ``signature``: refused by the record
         validator, ``binding``: a stored entry whose subkey does not bind what it claims."""
         self._forged_source = source
+
+    def attach_neighbour_bytes(self, source) -> None:
+        """``source()`` -> ``{(peer_stage, direction): bytes}`` exchanged with the peers of each
+        neighbour stage, read at every scrape."""
+        self._neighbour_bytes_source = source
+
+    def attach_connections(self, source) -> None:
+        """``source()`` -> ``node.net.connections.ConnectionTracker.snapshot()``, read at every scrape."""
+        self._connections_source = source
+
+    def attach_holepunch(self, source) -> None:
+        """``source()`` -> ``{(side, outcome): count}`` of the daemon's hole punches, or None when the
+        daemon does not report them (``node.net.connections.DaemonMetrics.holepunch``)."""
+        self._holepunch_source = source
+
+    def observe_neighbour_rtt(self, peer_stage: int | str | None, protocol: str, seconds: float) -> None:
+        """One request round trip to a peer of stage ``peer_stage`` (ignored when the stage is unknown)."""
+        if peer_stage is None or str(peer_stage) in ("", "-1"):
+            return
+        self.neighbour_rtt.labels(peer_stage=str(peer_stage), protocol=protocol).observe(seconds)
 
     def attach_averaging(self, source) -> None:
         """``source()`` -> ``node.net.averaging.AveragingStats.as_dict()``, read at every scrape."""
@@ -262,6 +293,92 @@ class _Averaging:
                                 value=float(st.get("last_group_size", 0)))
         yield GaugeMetricFamily("swarm_node_averaging_round_seconds", "Duration of the last averaging round",
                                 value=float(st.get("last_round_seconds", 0.0)))
+
+
+def _read(source, default):
+    """Call a scrape-time source; a source that fails gives ``default`` (a scrape never fails)."""
+    if source is None:
+        return default
+    for _ in range(3):  # the event loop may change a dict while we copy it
+        try:
+            return source()
+        except RuntimeError:
+            continue
+        except Exception:  # noqa: BLE001
+            return default
+    return default
+
+
+class _NeighbourBytes:
+    """``swarm_node_neighbour_bytes_total{peer_stage, direction}``."""
+
+    NAME, HELP = "swarm_node_neighbour_bytes", "Bytes exchanged with the peers of a neighbour stage"
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return [CounterMetricFamily(self.NAME, self.HELP, labels=["peer_stage", "direction"])]
+
+    def collect(self):
+        fam = CounterMetricFamily(self.NAME, self.HELP, labels=["peer_stage", "direction"])
+        counts = dict(_read(self.metrics._neighbour_bytes_source, {}) or {})
+        for (stage, direction), n in sorted(counts.items()):
+            fam.add_metric([str(stage), direction], float(n))
+        yield fam
+
+
+class _Connections:
+    """The daemon's open connections, direct or relayed (``node.net.connections.ConnectionTracker``)."""
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def _families(self):
+        return (
+            GaugeMetricFamily("swarm_node_connections", "Open libp2p connections by kind (direct, relayed)",
+                              labels=["kind"]),
+            GaugeMetricFamily("swarm_node_connected_peers",
+                              "Connected peers by the stage they hold and their best path (direct, relayed)",
+                              labels=["peer_stage", "kind"]),
+            CounterMetricFamily("swarm_node_relayed_peers",
+                                "Relayed episodes: a peer seen connected only through a relay"),
+            CounterMetricFamily("swarm_node_relay_upgrades",
+                                "Relayed episodes that ended with a direct connection (hole punch or direct dial)"),
+        )
+
+    def describe(self):
+        return list(self._families())
+
+    def collect(self):
+        conns, peers, relayed, upgrades = self._families()
+        snap = _read(self.metrics._connections_source, None) or {}
+        for kind in ("direct", "relayed"):
+            conns.add_metric([kind], float(snap.get("connections", {}).get(kind, 0)))
+        for (stage, kind), n in sorted(snap.get("peers", {}).items()):
+            peers.add_metric([stage, kind], float(n))
+        relayed.add_metric([], float(snap.get("relayed_seen", 0)))
+        upgrades.add_metric([], float(snap.get("upgraded", 0)))
+        yield from (conns, peers, relayed, upgrades)
+
+
+class _HolePunch:
+    """``swarm_node_holepunch_total{side, outcome}``: the daemon's hole punches (DCUtR), re-exported
+    from p2pd's own counters; no samples while the daemon does not report them."""
+
+    NAME, HELP = "swarm_node_holepunch", "Hole punches (DCUtR) by the daemon, by side and outcome"
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return [CounterMetricFamily(self.NAME, self.HELP, labels=["side", "outcome"])]
+
+    def collect(self):
+        fam = CounterMetricFamily(self.NAME, self.HELP, labels=["side", "outcome"])
+        for (side, outcome), n in sorted((_read(self.metrics._holepunch_source, None) or {}).items()):
+            fam.add_metric([side, outcome], float(n))
+        yield fam
 
 
 class MetricsServer:

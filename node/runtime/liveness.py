@@ -24,12 +24,16 @@ class Liveness:
 
     def __init__(self, options: RuntimeOptions, *, transport, router, metrics, tasks: Tasks,
                  contexts: dict[int, Context], drop: Callable[[int, Skip], None],
-                 lose_next_hop: Callable[[str, float | None], int]):
+                 lose_next_hop: Callable[[str, float | None], int], neighbours: tuple[int, ...] = ()):
         self.options, self.transport, self.router, self.metrics, self.tasks = options, transport, router, metrics, tasks
         self.contexts, self.drop, self.lose_next_hop = contexts, drop, lose_next_hop
+        self.neighbours = neighbours  # the stages next to ours, pinged for the round-trip metric
         self.probing: set[str] = set()
         self.last_probe: dict[str, float] = {}
         self.stopping = False
+        self._next_ping = time.monotonic() + options.ping_every
+        self._ping_turn = 0
+        self._pinging: set[str] = set()
 
     def sweep(self) -> None:
         """TTL expiry of contexts and health probes of next hops that keep us waiting."""
@@ -45,6 +49,35 @@ class Liveness:
         for peer, age in waiting.items():
             if age > self.options.probe_after:
                 self.suspect(peer)
+        if self.options.ping_every > 0 and now >= self._next_ping and not self.stopping:
+            self._next_ping = now + self.options.ping_every
+            self.ping_neighbours()
+
+    def ping_neighbours(self) -> None:
+        """One health request to one peer of each neighbour stage (taking their replicas in turn),
+        timed into ``swarm_node_neighbour_rtt_seconds{protocol="health"}``: the bare network round
+        trip, next to the fwd/bwd ack times that also carry the tensors. A ping that fails is only
+        not timed; probes (``suspect``) decide about dead peers."""
+        self._ping_turn += 1
+        for stage in self.neighbours:
+            peers = sorted(p.peer_id for p in self.router.stage_peers(stage))
+            if not peers:
+                continue
+            peer = peers[self._ping_turn % len(peers)]
+            if peer not in self._pinging:
+                self._pinging.add(peer)
+                self.tasks.spawn(self._ping(peer, stage))
+
+    async def _ping(self, peer: str, stage: int) -> None:
+        try:
+            t0 = time.monotonic()
+            await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
+            self.metrics.observe_neighbour_rtt(stage, "health", time.monotonic() - t0)
+        except (asyncio.TimeoutError, PeerBusy, PeerRejected, PeerUnreachable, ConnectionError, OSError,
+                ProtocolError) as e:
+            log.debug("ping of %s failed: %r", peer[-8:], e)
+        finally:
+            self._pinging.discard(peer)
 
     def suspect(self, peer: str, cooldown: float = 2.0) -> None:
         """Something went wrong with ``peer``: health-probe it (one probe at a time, at most every
@@ -86,6 +119,9 @@ class Liveness:
         the old process are dropped."""
         asked = time.monotonic()
         reply = await self.transport.request(peer, HEALTH, make_health_request(), timeout=3.0)
+        known = self.router.peers.get(peer)
+        if known is not None:
+            self.metrics.observe_neighbour_rtt(known.stage, "health", time.monotonic() - asked)
         try:
             uptime = float(parse_health(reply)["uptime_s"])
         except (ProtocolError, KeyError, TypeError, ValueError):

@@ -29,6 +29,9 @@ class RuntimeOptions:
     resync_every: float = 10.0
     verify_state: bool = True  # downloaded weights must agree with another replica's (node.net.state_verify)
     state_ban_seconds: float = 600.0  # ban on a replica whose served weights disagreed with the majority
+    # health-ping one peer of each neighbour stage this often (seconds), for the round-trip metric
+    # per neighbour stage (0: off; the daemon turns it on)
+    ping_every: float = 0.0
 
 
 @dataclass(eq=False)

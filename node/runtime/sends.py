@@ -112,6 +112,7 @@ class Sender:
                 continue
             rtt = time.monotonic() - t0
             self.metrics.request_seconds.labels(protocol="fwd").observe(rtt)
+            self.metrics.observe_neighbour_rtt(self.index + 1, "fwd", rtt)
             self.metrics.request("fwd", "ack", peer)
             self.router.on_ack(peer, rtt, reply.header.get("queue"))
             ctx.sent_at = time.monotonic()
@@ -164,7 +165,9 @@ class Sender:
                 return False
             if grad is not None:  # a tensor of ours was accepted (an acked skip says nothing)
                 self.guard.note_accepted()
-            self.metrics.request_seconds.labels(protocol="bwd").observe(time.monotonic() - t0)
+            rtt = time.monotonic() - t0
+            self.metrics.request_seconds.labels(protocol="bwd").observe(rtt)
+            self.metrics.observe_neighbour_rtt(self.index - 1, "bwd", rtt)
             self.metrics.request("bwd", "skip" if grad is None else "ack", peer)
             return True
         return False

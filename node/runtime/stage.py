@@ -40,6 +40,26 @@ from stages import Manifest, manifest_hash
 log = logging.getLogger("swarm_node.runtime")
 
 
+def neighbour_bytes(role_bytes: dict[tuple[str, str, str], int], index: int,
+                    n_stages: int) -> dict[tuple[str, str], int]:
+    """Fold the transport's ``{(protocol, role, direction): bytes}`` into ``{(peer stage,
+    direction): bytes}`` for stage ``index``. Which stage a protocol's bytes went to follows from
+    who opened the exchange: our ``fwd`` goes to stage ``index + 1`` and the ``fwd`` we serve comes
+    from ``index - 1``; ``bwd`` the other way; ``state`` is between replicas of one stage. Replies
+    count with their request. ``health`` is left out (it goes both ways and is a few bytes)."""
+    towards = {(FWD, "client"): index + 1, (FWD, "server"): index - 1,
+               (BWD, "client"): index - 1, (BWD, "server"): index + 1,
+               (STATE, "client"): index, (STATE, "server"): index}
+    out: dict[tuple[str, str], int] = {}
+    for (protocol, role, direction), n in role_bytes.items():
+        stage = towards.get((protocol, role))
+        if stage is None or not 0 <= stage < n_stages:
+            continue
+        key = (str(stage), direction)
+        out[key] = out.get(key, 0) + n
+    return out
+
+
 class StageRuntime:
     """One stage of one run: its parts, its protocols, its state and lifecycle."""
 
@@ -100,7 +120,8 @@ class StageRuntime:
         )
         self.liveness = Liveness(options, transport=transport, router=router, metrics=metrics, tasks=self.tasks,
                                  contexts=self.pipeline.contexts, drop=self.pipeline.drop,
-                                 lose_next_hop=self.pipeline.lose_next_hop)
+                                 lose_next_hop=self.pipeline.lose_next_hop,
+                                 neighbours=tuple(s for s in (index - 1, index + 1) if 0 <= s < n))
         metrics.set_stage(index, self.run_id, role="head" if self.is_head else "tail" if self.is_tail else "body")
 
     # ------------------------------------------------------------------ what others read
@@ -256,6 +277,12 @@ class StageRuntime:
             out["mb_rtt_p99_ms"] = round(1000 * rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))], 2)
             out["mb_rtt_samples"] = len(rtts)
         return out
+
+    def neighbour_bytes(self) -> dict[tuple[str, str], int]:
+        """``{(peer stage, direction): bytes}`` on the wire with the peers of each neighbour stage
+        (and of our own stage: state sync), from the transport's counters (``neighbour_bytes``)."""
+        role_bytes = getattr(getattr(self.transport, "stats", None), "role_bytes", None)
+        return neighbour_bytes(dict(role_bytes or {}), self.index, self.manifest.n_stages)
 
     async def _on_health(self, frame, peer: str):
         validate_health_request(frame)
