@@ -87,6 +87,41 @@ def test_dashboard_is_generated_from_the_script():
     assert json.loads((DOCKER / "grafana/swarm-node.json").read_text()) == mod.build()
 
 
+def test_every_documented_metric_is_on_a_dashboard_panel():
+    """Each family in docs/METRICS.md's table appears in some panel's query (histograms through
+    their _bucket/_count/_sum series), and each panel query names only documented families."""
+    doc = (ROOT / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"^\| `(swarm_node_[a-z0-9_]+)` \|", doc, re.M))
+    assert len(documented) >= 40
+    named = {re.sub(r"_(bucket|count|sum)$", "", n) for e in dashboard_exprs() for n in re.findall(r"swarm_node_\w+", e)}
+    assert documented - named == set(), "documented but on no dashboard panel"
+    # the process_* families are documented as one row (swarm_node_process_*)
+    assert {n for n in named - documented if not n.startswith("swarm_node_process_")} == set()
+
+
+def test_dashboard_json_has_what_grafana_provisioning_needs():
+    dash = json.loads((DOCKER / "grafana/swarm-node.json").read_text())
+    assert dash["uid"] == "swarm-node" and dash["title"] and isinstance(dash["schemaVersion"], int)
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids)
+    occupied = set()
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert g["w"] > 0 and g["h"] > 0 and 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        cells = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & occupied, f"{p['title']} overlaps another panel"
+        occupied |= cells
+        if p["type"] == "row":
+            assert p["panels"] == [] and p["collapsed"] is False  # its panels follow it at the top level
+            continue
+        assert p["type"] in ("timeseries", "stat", "table"), p["type"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert refs == [chr(ord("A") + i) for i in range(len(refs))], p["title"]
+        assert p["fieldConfig"]["defaults"]["unit"], p["title"]
+    titles = [p["title"] for p in dash["panels"]]
+    assert len(titles) == len(set(titles))
+
+
 def dashboard_exprs() -> list[str]:
     dash = json.loads((DOCKER / "grafana/swarm-node.json").read_text())
     return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from node.ops import LocalSwarm
-from node.ops.local_swarm import free_port
+from node.ops.local_swarm import free_port, metric_sum
 
 from .test_docker_files import alert_exprs, dashboard_exprs
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 # Prometheus functions/keywords that look like identifiers in an expression
 _PROMQL_WORDS = {
     "sum", "rate", "increase", "histogram_quantile", "by", "on", "and", "or", "unless", "max", "min",
-    "clamp_min", "time", "le", "without", "group_left", "count_over_time", "up",
+    "clamp_min", "time", "le", "without", "group_left", "count_over_time", "up", "label_replace", "vector",
 }
 
 
@@ -170,5 +170,59 @@ def test_dashboard_and_alerts_name_only_exported_metrics(swarm):
             elif not word.startswith("swarm_node_") and word not in _PROMQL_WORDS and not word.isdigit():
                 # label names inside by()/on() are fine; anything else would be a typo
                 assert word in {"instance", "stage", "direction", "protocol", "result", "kind", "cause",
-                                "verdict", "reason", "outcome", "state", "job"}, (word, expr)
+                                "verdict", "reason", "outcome", "state", "job", "peer_stage", "side",
+                                "check"}, (word, expr)
     assert not missing, f"dashboard/alerts name metrics no node exports: {missing}"
+
+
+@pytest.mark.timeout(300)
+def test_connection_metrics_follow_the_traffic(swarm):
+    """Each node's connections (all direct on loopback), bytes and round trips per neighbour stage:
+    the counters grow while the pipeline trains, towards the stages next to the node only."""
+    by_stage = {int(swarm.value(n, "swarm_node_stage")): n for n in swarm.nodes}
+    assert sorted(by_stage) == [0, 1, 2]
+    neighbours = {0: ("1",), 1: ("0", "2"), 2: ("1",)}
+
+    def bytes_(m, stage, peer_stage, direction):
+        return metric_sum(m[stage], "swarm_node_neighbour_bytes_total", peer_stage=peer_stage, direction=direction)
+
+    def rtts(m, stage, peer_stage, protocol):
+        return metric_sum(m[stage], "swarm_node_neighbour_rtt_seconds_count", peer_stage=peer_stage, protocol=protocol)
+
+    first = {s: swarm.metrics(n) for s, n in by_stage.items()}
+    deadline = time.monotonic() + 120
+    while True:
+        time.sleep(2)
+        now = {s: swarm.metrics(n) for s, n in by_stage.items()}
+        grown = all(bytes_(now, s, p, d) > bytes_(first, s, p, d) for s in by_stage for p in neighbours[s]
+                    for d in ("in", "out"))
+        grown = grown and rtts(now, 0, "1", "fwd") > rtts(first, 0, "1", "fwd")
+        grown = grown and rtts(now, 2, "1", "bwd") > rtts(first, 2, "1", "bwd")
+        pinged = all(rtts(now, s, p, "health") >= 1 for s in by_stage for p in neighbours[s])
+        if (grown and pinged) or time.monotonic() > deadline:
+            break
+    for s in by_stage:
+        for p in neighbours[s]:
+            for d in ("in", "out"):
+                assert bytes_(now, s, p, d) > bytes_(first, s, p, d), (s, p, d, bytes_(now, s, p, d))
+            assert rtts(now, s, p, "health") >= 1, (s, p)  # the pings every 10 s
+        # nothing is counted towards a stage that is not a neighbour
+        others = {"0", "1", "2"} - set(neighbours[s]) - {str(s)}
+        for p in others:
+            assert metric_sum(now[s], "swarm_node_neighbour_bytes_total", peer_stage=p) == 0, (s, p)
+            assert metric_sum(now[s], "swarm_node_neighbour_rtt_seconds_count", peer_stage=p) == 0, (s, p)
+    assert rtts(now, 0, "1", "fwd") > rtts(first, 0, "1", "fwd")
+    assert rtts(now, 1, "0", "bwd") > 0 and rtts(now, 1, "2", "fwd") > 0
+    assert rtts(now, 2, "1", "bwd") > rtts(first, 2, "1", "bwd")
+    for s, m in now.items():
+        # loopback: every connection is direct; the neighbours and the bootstrap (no stage) are connected
+        assert metric_sum(m, "swarm_node_connections", kind="direct") >= 2, s
+        assert metric_sum(m, "swarm_node_connections", kind="relayed") == 0, s
+        for p in neighbours[s]:
+            assert metric_sum(m, "swarm_node_connected_peers", peer_stage=p, kind="direct") >= 1, (s, p)
+        assert metric_sum(m, "swarm_node_connected_peers", peer_stage="none", kind="direct") >= 1, s
+        assert metric_sum(m, "swarm_node_connected_peers", kind="relayed") == 0, s
+        assert metric_sum(m, "swarm_node_relayed_peers_total") == 0, s
+        # a local swarm's daemons run without AutoNAT: no hole punching, so no hole-punch series
+        assert metric_sum(m, "swarm_node_holepunch_total") == 0 and not any(
+            k.startswith("swarm_node_holepunch_total") for k in m), s

@@ -177,6 +177,8 @@ def parse_holepunch(text: str) -> dict[tuple[str, str], float] | None:
     """``{(side, outcome): count}`` from p2pd's metrics text, or None when it has no hole-punch family."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    # the daemon's page is large (its resource manager's histograms): parse only the lines we read
+    text = "".join(line + "\n" for line in text.splitlines() if DaemonMetrics.FAMILY in line)
     out: dict[tuple[str, str], float] | None = None
     for fam in text_string_to_metric_families(text):
         if fam.name != DaemonMetrics.FAMILY:
