@@ -43,6 +43,20 @@ def test_relayed_or_direct_from_the_multiaddr(maddr, relayed):
         assert is_relayed(Multiaddr(maddr)) is relayed
 
 
+def test_relayed_in_the_daemons_binary_form():
+    """p2pd's connection list carries each remote address in go-multiaddr's binary form (a /p2p/
+    component as a bare multihash, unlike hivemind's own encoder); it decodes, and classifies."""
+    relay_mh = "002408011220c84063bed43e3d4380101b67398ab3d648d835e0e56d5cbb0ad6e976a37d1a0f"
+    tcp = "047f000001" + "0688e9"  # /ip4/127.0.0.1/tcp/35049
+    p2p = "a503" + f"{len(relay_mh) // 2:02x}" + relay_mh  # /p2p/<relay>
+    relayed = Multiaddr(bytes.fromhex(tcp + p2p + "a202"))  # .../p2p-circuit
+    assert str(relayed).endswith("/p2p-circuit") and is_relayed(relayed)
+    assert not is_relayed(Multiaddr(bytes.fromhex(tcp)))
+    t = ConnectionTracker()
+    t.update([("X", relayed), ("Y", Multiaddr(bytes.fromhex(tcp)))])
+    assert t.snapshot()["connections"] == {"direct": 1, "relayed": 1}
+
+
 def _snap_metrics(tracker: ConnectionTracker) -> dict:
     m = NodeMetrics(stage=1)
     m.attach_connections(tracker.snapshot)
