@@ -22,6 +22,10 @@ def _metrics_text() -> str:
     m.peers.labels(stage="0").set(1)
     m.peers.labels(stage="1").set(2)
     m.peers.labels(stage="2").set(1)
+    m.attach_connections(lambda: {"connections": {"direct": 3, "relayed": 1},
+                                  "peers": {("1", "direct"): 1, ("1", "relayed"): 1, ("none", "direct"): 1}})
+    m.attach_holepunch(lambda: {("initiator", "success"): 2.0, ("initiator", "failed"): 1.0,
+                                ("receiver", "no_suitable_address"): 1.0})
     return m.render().decode()
 
 
@@ -37,6 +41,15 @@ def test_status_from_real_metrics():
     text = format_status(st)
     assert "state        online" in text and "stage 1: 2" in text
     assert "tokens/s     1234.5 (capacity 2000.0 per busy second)" in text
+    assert st["connections"] == {"direct": 3, "relayed": 1}
+    assert st["peers_by_path"] == {"1": {"direct": 1, "relayed": 1}}
+    assert st["holepunch"] == {"attempts": 4, "successes": 2}
+    assert "connections  3 direct, 1 relayed; stage peers 1: 1 direct + 1 relayed" in text
+    assert "hole punches 2 of 4 succeeded" in text
+    # a --local node: no hole-punch series at all
+    bare = status_from_metrics(NodeMetrics(stage=0).render().decode())
+    assert bare["holepunch"] is None and bare["connections"] == {"direct": 0, "relayed": 0}
+    assert "hole punches - (not reported" in format_status(bare)
 
 
 def test_status_cli_unreachable_gives_one_line_error():

@@ -70,6 +70,17 @@ def status_from_metrics(text: str) -> dict[str, Any]:
         "verifier_verdicts": verdicts,
         "last_error": info.get("last_error") or None,
     }
+    out["connections"] = {lab.get("kind", "?"): int(v) for lab, v in s.get("swarm_node_connections", [])}
+    links: dict[str, dict[str, int]] = {}
+    for lab, v in s.get("swarm_node_connected_peers", []):
+        if lab.get("peer_stage") not in (None, "none") and v:
+            links.setdefault(lab["peer_stage"], {})[lab.get("kind", "?")] = int(v)
+    out["peers_by_path"] = dict(sorted(links.items()))
+    punches = s.get("swarm_node_holepunch_total")
+    out["holepunch"] = None if not punches else {
+        "attempts": int(sum(v for _, v in punches)),
+        "successes": int(sum(v for lab, v in punches if lab.get("outcome") == "success")),
+    }
     errs = s.get("swarm_node_last_error_info")
     if errs:
         out["last_error"] = errs[0][0].get("message") or out["last_error"]
@@ -117,10 +128,30 @@ def format_status(st: dict[str, Any]) -> str:
         f"in flight    {f(st.get('inflight'), '{:.0f}')}",
         f"peers        {peers}",
         f"banned       {st.get('banned_peers', 0)}",
+        f"connections  {_connections(st)}",
+        f"hole punches {_holepunch(st)}",
         f"verifier     {verdicts}",
         f"last error   {st.get('last_error') or '-'}",
     ]
     return "\n".join(lines)
+
+
+def _connections(st: dict[str, Any]) -> str:
+    conns = st.get("connections") or {}
+    text = f"{conns.get('direct', 0)} direct, {conns.get('relayed', 0)} relayed"
+    links = st.get("peers_by_path") or {}
+    if links:
+        text += "; stage peers " + ", ".join(
+            f"{stage}: " + " + ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+            for stage, kinds in links.items())
+    return text
+
+
+def _holepunch(st: dict[str, Any]) -> str:
+    hp = st.get("holepunch")
+    if hp is None:
+        return "- (not reported: the daemon runs no AutoNAT, e.g. --local)"
+    return f"{hp['successes']} of {hp['attempts']} succeeded"
 
 
 def main(args: argparse.Namespace) -> int:
