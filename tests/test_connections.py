@@ -6,7 +6,11 @@ an in-process pipeline trains."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -19,6 +23,7 @@ from node.net.connections import free_tcp_port, parse_holepunch
 from node.ops import NodeMetrics, metric_sum, parse_metrics
 from node.runtime.stage import neighbour_bytes
 from protocol import BWD, FWD, HEALTH, STATE, make_ack
+from tests.conftest import ROOT
 from tests.helpers.procs import assert_no_p2pd_left, p2pd_descendants
 from tests.helpers.runtime import head_batches, link, make_runtime, start_all, stop_all, value, wait_for
 
@@ -189,6 +194,44 @@ def test_the_dht_daemon_serves_its_metrics_when_asked():
     finally:
         stop_dht(dht)
     assert p2pd_descendants() == before
+
+
+CAN_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None
+
+_PUBLIC_DHT = """
+import json
+from node.net import DaemonMetrics, start_dht, stop_dht
+dht = start_dht([], ["/ip4/127.0.0.1/tcp/0"], local=False)
+try:
+    url = dht.daemon_metrics_url
+    got = DaemonMetrics(url).holepunch() if url else None
+    print(json.dumps({"url": url, "holepunch": None if got is None else [[*k, v] for k, v in got.items()]}))
+finally:
+    stop_dht(dht)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not CAN_NETNS, reason="needs root (ip netns): a public node's daemon (AutoNAT, NAT port "
+                    "mapping) runs only inside a loopback-only network namespace here")
+def test_a_public_nodes_daemon_reports_hole_punches():
+    """Without --local the daemon runs AutoNAT, hence DCUtR: start_dht gives it a metrics endpoint by
+    default, and its hole-punch counters are there (all 0: nobody to punch to). Run in a network
+    namespace with only lo up, so the daemon's NAT discovery stays inside it."""
+    ns = f"swn-dash-conn-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _PUBLIC_DHT], capture_output=True,
+                           text=True, timeout=150, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    assert got["url"] and got["url"].startswith("http://127.0.0.1:")
+    punches = {(side, outcome): v for side, outcome, v in got["holepunch"]}
+    assert {("initiator", "success"), ("receiver", "success"), ("initiator", "failed")} <= set(punches)
+    assert set(punches.values()) == {0.0}
 
 
 def test_neighbour_bytes_follow_who_opened_the_exchange():
