@@ -22,7 +22,7 @@ import pytest
 from node.ops import LocalSwarm
 from node.ops.local_swarm import free_port, metric_sum
 
-from .test_docker_files import alert_exprs, dashboard_exprs
+from .test_docker_files import DOCKER, alert_exprs, dashboard_exprs
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
@@ -226,3 +226,40 @@ def test_connection_metrics_follow_the_traffic(swarm):
         # a local swarm's daemons run without AutoNAT: no hole punching, so no hole-punch series
         assert metric_sum(m, "swarm_node_holepunch_total") == 0 and not any(
             k.startswith("swarm_node_holepunch_total") for k in m), s
+
+
+def _row_exprs(row: str) -> list[str]:
+    """The queries of the dashboard panels under the row titled ``row``."""
+    dash = json.loads((DOCKER / "grafana/swarm-node.json").read_text())
+    out, inside = [], False
+    for p in dash["panels"]:
+        if p["type"] == "row":
+            inside = p["title"] == row
+        elif inside:
+            out += [t["expr"] for t in p["targets"]]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_every_dashboard_query_runs_and_the_connection_panels_show_the_swarm(swarm, prometheus):
+    """Prometheus evaluates every panel query without an error (the joins on swarm_node_info
+    included: one series per node, or the query fails at run time, which promtool cannot see),
+    and the Connections row has data for a local swarm: every panel but the hole punches (no
+    AutoNAT with --local) and the relayed-only table (nothing is relayed on loopback)."""
+    for expr in dashboard_exprs():
+        _query(prometheus, expr)  # asserts status "success"
+    expect_data = [e for e in _row_exprs("Connections")
+                   if "holepunch" not in e and 'kind="relayed", peer_stage' not in e]
+    assert len(expect_data) >= 7, expect_data
+    deadline = time.monotonic() + 120
+    empty = expect_data
+    while empty and time.monotonic() < deadline:
+        empty = [e for e in expect_data if not _query(prometheus, e)]
+        if empty:
+            time.sleep(3)
+    assert not empty, f"no data for: {empty}"
+    # the stage -> stage links are the pipeline's: 0 -> 1, 1 -> 0, 1 -> 2, 2 -> 1 (and replicas' own)
+    links = _query(prometheus, [e for e in expect_data if "neighbour_bytes_total" in e][0])
+    pairs = {(r["metric"]["stage"], r["metric"]["peer_stage"]) for r in links if float(r["value"][1]) > 0}
+    assert {("0", "1"), ("1", "0"), ("1", "2"), ("2", "1")} <= pairs, pairs
+    assert not any(abs(int(a) - int(b)) > 1 for a, b in pairs), pairs
