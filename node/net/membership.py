@@ -178,7 +178,9 @@ def start_dht(
 
     ``daemon_metrics``: p2pd serves its own Prometheus metrics on a free loopback port
     (``dht.daemon_metrics_url``); default: when hole punching is on (``auto_nat``), since its
-    outcomes are what the node re-exports from there.
+    outcomes are what the node re-exports from there. The port is picked free just before the
+    daemon starts; should another process take it meanwhile, p2pd only logs that and runs on
+    without the endpoint, and the node reports no hole-punch numbers.
     """
     if daemon_metrics is None:
         daemon_metrics = bool(p2p_options(local)["auto_nat"])
