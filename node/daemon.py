@@ -490,9 +490,29 @@ class Node:
         except Exception as e:  # noqa: BLE001
             log.warning("announce failed: %r", e)
 
+    async def _refresh_maddrs(self) -> None:
+        """Announce the addresses p2pd has now: behind NAT, a relay address (``.../p2p-circuit``)
+        appears once AutoNAT found this node private and a relay gave it a slot; the others dial
+        that (``liveness._redial``). Said once on stdout, as the other announcements."""
+        try:
+            maddrs = [str(a) for a in await self.transport.p2p.get_visible_maddrs(latest=True)]
+        except Exception as e:  # noqa: BLE001 - the old addresses stay announced
+            log.debug("could not read our addresses: %r", e)
+            return
+        if not maddrs or maddrs == self.maddrs:
+            return
+        relayed = [m for m in maddrs if "/p2p-circuit" in m]
+        if relayed and not any("/p2p-circuit" in m for m in self.maddrs):
+            announce_line(f"reachable through a relay: {' '.join(relayed)}")
+        elif not relayed and any("/p2p-circuit" in m for m in self.maddrs):
+            log.info("no relay address any more: %s", " ".join(maddrs))
+        self.maddrs = maddrs
+
     async def _announce_loop(self, PeerRecord) -> None:
         last_manifest = 0.0
         while not self._closing:
+            if not self.cfg.local:
+                await self._refresh_maddrs()
             await self._announce(PeerRecord)
             await self._refresh_peers()
             if time.monotonic() - last_manifest > 4 * self.cfg.announce_every:

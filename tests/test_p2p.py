@@ -454,3 +454,20 @@ def test_bench_transport_quick_prints_one_json_object():
     assert all(m["errors"] == 0 and m["cpu_s_per_gib"] > 0 for m in r["matrix"])
     assert r["settings"]["quick"] is True
     assert_no_p2pd_left()
+
+
+def test_a_relayed_multiaddr_is_written_the_way_p2pd_reads_it():
+    """`/p2p/ID` inside an address (a relay's) goes to p2pd as the peer id's multihash, not the CID
+    hivemind's multiaddr library writes (p2pd refused that: "length greater than remaining")."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from node.net.p2p import _multiaddr_bytes
+
+    relay = "12D3KooWMZv6U3ZjD5sLvFuDvwdoa2dHwUnJEusVvuJNJcHnYkxd"
+    text = f"/ip4/7.77.1.2/tcp/31337/p2p/{relay}/p2p-circuit"
+    raw = _multiaddr_bytes(text)
+    mh = PeerID.from_base58(relay).to_bytes()
+    assert raw == Multiaddr("/ip4/7.77.1.2/tcp/31337").to_bytes() + b"\xa5\x03" + bytes([len(mh)]) + mh + b"\xa2\x02"
+    assert str(Multiaddr(raw)) == text
+    assert _multiaddr_bytes("/ip4/127.0.0.1/tcp/5") == Multiaddr("/ip4/127.0.0.1/tcp/5").to_bytes()

@@ -40,6 +40,7 @@ _EXPORTS = {
     "p2p_options": "node.net.membership",
     "parameters_of": "node.net.state_sync",
     "serve_state": "node.net.state_sync",
+    "start_daemon": "node.net.p2p",
     "start_dht": "node.net.membership",
     "start_failure_line": "node.net.reach",
     "stop_dht": "node.net.membership",

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils import get_dht_time
 
+from node.net.p2p import static_relays_only
 from node.net.reach import unreachable_line
 from node.net.records import ForgeryCounter, SwarmRecordValidator, manifest_subkey, peer_subkey
 from node.net.routing import announced_rate
@@ -134,6 +135,7 @@ class SwarmDHT(hivemind.DHT):
         set_parent_death_signal(_DEATH_SIGNAL)
         if os.getppid() != parent:  # the node died before we set the signal
             on_parent_death(_DEATH_SIGNAL, None)
+        static_relays_only()  # this process starts the p2pd
         super().run()
 
 
@@ -149,11 +151,21 @@ def _add_daemon_flag(name: str, value: str) -> None:
     P2P._make_process_args = staticmethod(with_flag)
 
 
-def p2p_options(local: bool) -> dict:
-    """hivemind P2P options: loopback swarms switch off NAT port mapping, relays and AutoNAT."""
+def p2p_options(local: bool, initial_peers: list[str] | tuple = ()) -> dict:
+    """hivemind P2P options: loopback swarms switch off NAT port mapping, relays and AutoNAT.
+
+    A public node has all of them: it relays for others (circuit relay v2, p2pd's relay service),
+    answers AutoNAT dial-backs and hole-punches (p2pd enables DCUtR with AutoNAT), maps a port
+    by UPnP/NAT-PMP where the router offers it, and runs auto-relay with its initial peers as
+    static relays: when AutoNAT finds that nobody can dial it (behind NAT), it reserves a slot at
+    one of them and announces ``/p2p/<relay>/p2p-circuit`` addresses, which the other nodes dial
+    (docs/NODE.md, "Behind NAT")."""
     if local:
         return dict(use_relay=False, use_auto_relay=False, auto_nat=False, nat_port_map=False)
-    return dict(use_relay=True, use_auto_relay=False, auto_nat=True, nat_port_map=True)
+    opts = dict(use_relay=True, use_auto_relay=False, auto_nat=True, nat_port_map=True)
+    if initial_peers:
+        opts.update(use_auto_relay=True, trusted_relays=list(initial_peers))
+    return opts
 
 
 def start_dht(
@@ -197,7 +209,7 @@ def start_dht(
         # hivemind's own check assumes RSA keys and spawns a second daemon; `swarm-node run`
         # checks with node.net.identity.anonymous_identity_in_use before starting the DHT
         check_if_identity_free=False,
-        **p2p_options(local),
+        **p2p_options(local, initial_peers),
     )
     last: Exception | None = None
     for attempt in range(max(1, retries)):

@@ -148,11 +148,13 @@ class Transport:
     async def start(cls, *, host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), announce_maddrs: Sequence[str] = (),
                     initial_peers: Sequence[str] = (), identity_path: str | os.PathLike | None = None,
                     use_relay: bool = False, use_auto_relay: bool = False, nat_port_map: bool = False,
-                    auto_nat: bool = False, startup_timeout: float = 30, **transport_kwargs: Any) -> Transport:
+                    auto_nat: bool = False, trusted_relays: Sequence[str] = (), startup_timeout: float = 30,
+                    **transport_kwargs: Any) -> Transport:
         """Start a new p2pd with these switches (``start_daemon``) and wrap it; this transport owns it."""
         p2p = await start_daemon(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, initial_peers=initial_peers,
                                  identity_path=identity_path, use_relay=use_relay, use_auto_relay=use_auto_relay,
-                                 nat_port_map=nat_port_map, auto_nat=auto_nat, startup_timeout=startup_timeout)
+                                 nat_port_map=nat_port_map, auto_nat=auto_nat, trusted_relays=trusted_relays,
+                                 startup_timeout=startup_timeout)
         return cls(p2p, _owns_p2p=True, **transport_kwargs)
 
     async def close(self) -> None:
@@ -192,12 +194,15 @@ class Transport:
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
         from hivemind.utils.multiaddr import Multiaddr
 
-        ma = Multiaddr(maddr)
+        # the LAST /p2p/ names the peer: a relayed address is /ip4/R/tcp/P/p2p/RELAY/p2p-circuit/p2p/PEER
+        head, sep, peer_id = maddr.rstrip("/").rpartition("/p2p/")
         try:
-            peer_id = ma.value_for_protocol("p2p")
+            if not sep or not head or "/" in peer_id:
+                raise ValueError(maddr)
+            PeerID.from_base58(peer_id)
+            addr = Multiaddr(_multiaddr_bytes(head))
         except Exception as e:
             raise ValueError(f"{maddr}: a full multiaddr ending in /p2p/<peer id> is needed") from e
-        addr = ma.decapsulate(Multiaddr(f"/p2p/{peer_id}"))
         try:
             async with asyncio.timeout(timeout):
                 await self.p2p._client.connect(PeerID.from_base58(peer_id), [addr])
@@ -501,7 +506,8 @@ class Transport:
 
 async def start_daemon(*, host_maddrs: Sequence[str], announce_maddrs: Sequence[str], initial_peers: Sequence[str],
                        identity_path: str | os.PathLike | None, use_relay: bool, use_auto_relay: bool,
-                       nat_port_map: bool, auto_nat: bool, startup_timeout: float) -> Any:
+                       nat_port_map: bool, auto_nat: bool, startup_timeout: float,
+                       trusted_relays: Sequence[str] = ()) -> Any:
     """A new ``hivemind.P2P`` (its own p2pd) with these switches.
 
     Loopback-only with NAT traversal and relays off is what tests and local swarms pass; a
@@ -510,6 +516,7 @@ async def start_daemon(*, host_maddrs: Sequence[str], announce_maddrs: Sequence[
     """
     from hivemind.p2p import P2P
 
+    static_relays_only()
     kwargs: dict[str, Any] = {}
     if identity_path is not None:
         from node.net.identity import check_identity
@@ -522,5 +529,60 @@ async def start_daemon(*, host_maddrs: Sequence[str], announce_maddrs: Sequence[
     return await P2P.create(
         initial_peers=list(initial_peers) or None, host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None, use_relay=use_relay, use_auto_relay=use_auto_relay,
-        nat_port_map=nat_port_map, auto_nat=auto_nat, startup_timeout=startup_timeout, **kwargs,
+        nat_port_map=nat_port_map, auto_nat=auto_nat, startup_timeout=startup_timeout,
+        trusted_relays=list(trusted_relays) or None, **kwargs,
     )
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _multiaddr_bytes(text: str) -> bytes:
+    """The binary multiaddr p2pd expects for ``text``, which may name peers inside it (a relay:
+    ``/ip4/R/tcp/P/p2p/RELAY/p2p-circuit``). hivemind's multiaddr library writes a ``/p2p/`` value
+    as a CID, which p2pd cannot read ("length greater than remaining number of bytes"); the
+    multiaddr spec's form is the peer id's multihash, written here."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    out, rest = b"", text
+    while "/p2p/" in rest:
+        before, _, after = rest.partition("/p2p/")
+        peer, slash, rest = after.partition("/")
+        rest = slash + rest
+        if before:
+            out += Multiaddr(before).to_bytes()
+        mh = PeerID.from_base58(peer).to_bytes()
+        out += _varint(421) + _varint(len(mh)) + mh
+    return out + (Multiaddr(rest).to_bytes() if rest else b"")
+
+
+def static_relays_only() -> None:
+    """Make p2pd take ``trusted_relays`` as its only relays (``-relayDiscovery=0``).
+
+    hivemind passes ``-trustedRelays`` but not p2pd's ``-relayDiscovery`` switch, which defaults
+    to on; with it on, p2pd's auto-relay waits for four relay candidates from its DHT or for its
+    three-minute boot delay before it reserves a slot anywhere, so a node behind NAT stays
+    unreachable for minutes in a small swarm. With static relays it reserves at one of them as
+    soon as AutoNAT reports it private (about 15 s after start, measured in the network lab).
+    Patches ``hivemind.P2P``'s argument builder of this process (idempotent); it changes nothing
+    for a daemon started without trusted relays."""
+    from hivemind.p2p import P2P
+
+    build = P2P._make_process_args
+    if getattr(build, "_static_relays", False):
+        return
+
+    def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+        if kwargs.get("trustedRelays") and kwargs.get("autoRelay"):
+            kwargs.setdefault("relayDiscovery", 0)
+        return build(*args, **kwargs)
+
+    make_process_args._static_relays = True  # type: ignore[attr-defined]
+    P2P._make_process_args = staticmethod(make_process_args)

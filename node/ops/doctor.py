@@ -3,7 +3,8 @@
 Each check prints one line, ``ok``, ``warn`` or ``FAIL``, with the fix when it is not ok:
 torch and CUDA, free RAM/VRAM against what the manifest's stage needs, ports free, p2pd present
 and runnable, clock sane, identity file permissions, and (with ``--initial-peers``) whether the
-bootstrap peers are reachable. Exit status 1 when any check fails.
+bootstrap peers are reachable and whether peers can dial this machine directly or only through a
+relay (NAT). Exit status 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, action="append", default=[], help="another TCP port that must be free")
     p.add_argument("--initial-peers", nargs="*", default=[], help="bootstrap multiaddrs to test reachability")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds for the reachability check")
+    p.add_argument("--nat-wait", type=float, default=40.0,
+                   help="seconds the NAT check waits for AutoNAT's verdict (0: skip it); it listens on the first "
+                        "--port, so a forwarded port is tested")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 
@@ -195,6 +199,57 @@ def check_reachability(peers: list[str], timeout: float) -> Check:
     return Check("reachability", "ok", f"bootstrapped from {len(peers)} peer(s) in {time.perf_counter() - t0:.1f}s")
 
 
+_NAT_PROBE = """
+import asyncio, json, sys, time
+from node.net import p2p_options, start_daemon
+
+async def main(wait, port, peers):
+    p2p = await start_daemon(host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"], announce_maddrs=[], initial_peers=peers,
+                             identity_path=None, startup_timeout=20, **p2p_options(False, peers))
+    t0 = time.monotonic()
+    try:
+        while True:
+            maddrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
+            relayed = [m for m in maddrs if "/p2p-circuit" in m]
+            if relayed or time.monotonic() - t0 > wait:
+                break
+            await asyncio.sleep(1.0)
+        print(json.dumps({"relayed": relayed, "maddrs": maddrs, "seconds": round(time.monotonic() - t0, 1)}))
+    finally:
+        await p2p.shutdown()
+
+asyncio.run(main(float(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]))
+"""
+
+
+def check_nat(peers: list[str], wait: float = 40.0, port: int = 0) -> Check:
+    """Whether other peers can dial this machine, or reach it only through a relay.
+
+    A throwaway p2pd with the options `swarm-node run` uses (AutoNAT, auto-relay with the initial
+    peers as relays) listens on ``port`` (0: any) and bootstraps from ``peers``. The peers' AutoNAT
+    service dials it back; when nobody can (behind NAT, port not forwarded), p2pd reserves a slot
+    at a relay and gets a ``/p2p-circuit`` address, within about 20 s in the network lab. No relay
+    address within ``wait`` seconds means AutoNAT did not find this machine unreachable."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _NAT_PROBE, str(wait), str(port), *peers], capture_output=True,
+                           text=True, timeout=wait + 40)
+        found = json.loads(r.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return Check("nat", "fail", f"the NAT check did not finish within {wait + 40:.0f} s")
+    except (ValueError, IndexError):
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return Check("nat", "fail", f"the NAT check failed: {last[:300]}")
+    if found["relayed"]:
+        relay = found["relayed"][0].split("/p2p-circuit")[0]
+        return Check("nat", "warn",
+                     f"reachable only through a relay ({relay}): peers cannot dial this machine (NAT or firewall; "
+                     "AutoNAT found it private after %.0f s). It trains, with its traffic relayed; for direct "
+                     "connections forward a TCP port to it and run with --host-maddrs /ip4/0.0.0.0/tcp/PORT "
+                     "--announce-maddrs /ip4/PUBLIC_IP/tcp/PORT" % found["seconds"])
+    return Check("nat", "ok", f"reachable directly: in {found['seconds']:.0f} s AutoNAT did not find this machine "
+                              "behind NAT and no relay was needed")
+
+
 def run_checks(args: argparse.Namespace) -> list[Check]:
     checks, device = check_torch(args.device)
     if device is not None:
@@ -207,6 +262,8 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks.append(check_identity(args.identity))
     if args.initial_peers:
         checks.append(check_reachability(args.initial_peers, args.timeout))
+        if checks[-1].status == "ok" and args.nat_wait > 0:
+            checks.append(check_nat(args.initial_peers, args.nat_wait, args.port[0] if args.port else 0))
     return checks
 
 

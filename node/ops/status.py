@@ -101,8 +101,9 @@ async def status_from_multiaddr(maddr: str, timeout: float) -> dict[str, Any]:
     from node.net import Transport
     from protocol import HEALTH, make_health_request, parse_health
 
+    # a node behind NAT is reached through the relay named in its address (.../p2p-circuit/p2p/ID)
     transport = await Transport.start(host_maddrs=("/ip4/127.0.0.1/tcp/0",) if "/127." in maddr
-                                      else ("/ip4/0.0.0.0/tcp/0",))
+                                      else ("/ip4/0.0.0.0/tcp/0",), use_relay="/p2p-circuit" in maddr)
     try:
         peer = await transport.connect(maddr, timeout=timeout)
         frame = await transport.request(peer, HEALTH, make_health_request(), timeout=timeout)
