@@ -19,7 +19,7 @@ from stages.model import (  # noqa: F401
 )
 from stages.morph import (  # noqa: F401
     MORPH_KINDS, MorphError, MorphMaster, boundary_secret, fold_input, fold_output, morph_chain, morph_width,
-    transform_from_seed,
+    private_init, transform_from_seed,
 )
 from stages.optim import (  # noqa: F401
     build_optimizer, hidden_matrix_names, lr_at, set_lr,
@@ -87,6 +87,7 @@ __all__ = [
     "morph_chain",
     "morph_optimizer_problem",
     "morph_width",
+    "private_init",
     "rope_tables",
     "set_lr",
     "snapshot",

@@ -59,6 +59,7 @@ __all__ = [
     "fold_input",
     "morph_chain",
     "morph_width",
+    "private_init",
 ]
 
 MORPH_KINDS = ("orthogonal", "conditioned")
@@ -132,6 +133,24 @@ def boundary_secret(secret: bytes | str | int, epoch: int, boundary: int) -> byt
 def morph_width(stage: nn.Module) -> int:
     """The dimension of the transforms at this stage's boundaries (the code width k)."""
     return int(stage.codec.k)
+
+
+@torch.no_grad()
+def private_init(stage: nn.Module, secret: bytes | str | int) -> None:
+    """Re-draw every parameter of ``stage`` from ``secret``: N(0, init_std²) as ``build_stage`` does,
+    but from numbers nobody else can compute.
+
+    The public initialisation (from the run seed) is a reference every stage's frame can be
+    aligned to by Procrustes while the weights still resemble it (docs/MORPH.md, measured by
+    scripts/bench_morph.py); a morphing run's non-head stages start from a private one instead.
+    Replicas of one stage must share the secret (or take the state from the first replica).
+    """
+    std = stage.manifest.model.init_std
+    name_of = getattr(stage, "global_name", lambda n: n)
+    for name, p in stage.named_parameters():
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(_seed_int(secret, f"private-init:{name_of(name)}"))
+        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device, p.dtype) * std)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,24 +252,30 @@ def fold_input(stage: nn.Module, M: Tensor, *, optimizer=None, master: MorphMast
     state_of = {}
     if optimizer is not None:
         state_of = {id(p): optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]}
+    rots: dict = {}
+
+    def rotation(device, dtype) -> _Rotation:
+        key = (device, dtype)
+        return rots.get(key) or rots.setdefault(key, _Rotation(R, U, device, dtype))
+
     for name, role in roles.items():
         p = params[name]
-        rot = _Rotation(R, U, p.device)
+        rot = rotation(p.device, torch.float64)
         if master is not None:
             m = master.tensors[name]
             m.copy_(rot.apply(m, role))
             p.copy_(m.to(p.dtype))
         else:
-            p.copy_(rot.apply(p.to(compute_dtype), role).to(p.dtype))
+            p.copy_(rotation(p.device, compute_dtype).apply(p.to(compute_dtype), role).to(p.dtype))
         if p.grad is not None:
-            p.grad.copy_(rot.apply(p.grad.to(torch.float64), role).to(p.grad.dtype))
+            p.grad.copy_(rot.apply(p.grad, role).to(p.grad.dtype))
         st = state_of.get(id(p))
         if st:
             for key, value in st.items():
                 if not isinstance(value, Tensor):
                     continue
                 if key in _LIKE_WEIGHT and value.shape == p.shape:
-                    value.copy_(rot.apply(value.to(torch.float64), role).to(value.dtype))
+                    value.copy_(rot.apply(value, role).to(value.dtype))
                 elif key == "v" and value.ndim == 2:  # NuMuon warm start: right singular vectors
                     if role == "reader":
                         value.copy_(rot.right_t(value.to(torch.float64)).to(value.dtype))
@@ -260,9 +285,10 @@ def fold_input(stage: nn.Module, M: Tensor, *, optimizer=None, master: MorphMast
 class _Rotation:
     """The frame change ``Q = I − U·Uᵀ + U·R·Uᵀ`` (or ``Q = R`` without U) applied to weights."""
 
-    def __init__(self, R: Tensor, U: Tensor | None, device):
-        self.R = R.to(device=device, dtype=torch.float64)
-        self.U = None if U is None else U.to(device=device, dtype=torch.float64)
+    def __init__(self, R: Tensor, U: Tensor | None, device, dtype=torch.float64):
+        self.dtype = dtype
+        self.R = R.to(device=device, dtype=dtype)
+        self.U = None if U is None else U.to(device=device, dtype=dtype)
 
     def right(self, W: Tensor) -> Tensor:
         """``W·Q`` (W: (out, d))."""
@@ -279,7 +305,7 @@ class _Rotation:
         return V + self.U @ (self.R.T @ UV - UV)
 
     def apply(self, W: Tensor, role: str) -> Tensor:
-        W = W.to(torch.float64)
+        W = W.to(self.dtype)
         if role == "reader":
             return self.right(W)
         if role == "writer_code":  # Z (k, in): Z ↦ Rᵀ·Z

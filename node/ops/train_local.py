@@ -71,7 +71,7 @@ def main(args) -> int:
     except TrainingDiverged as e:
         log.error("%s", e)
         return 1
-    summary = {k: result[k] for k in ("start_step", "steps", "loss_start", "loss_end", "val_loss",
+    summary = {k: result[k] for k in ("start_step", "steps", "loss_start", "loss_end", "val_loss", "morphs",
                                       "tokens_per_s", "boundary_bytes_per_token", "device", "wall_s")}
     print(json.dumps(summary), flush=True)
     return 0
@@ -120,6 +120,7 @@ def train(
     corpus=None,
     log_every: int | None = None,
     quiet: bool = False,
+    morph_secret: bytes | None = None,
 ) -> dict:
     """Train the chained stages of ``manifest`` until optimizer step ``steps``.
 
@@ -127,8 +128,12 @@ def train(
     (last), ``loss_start`` / ``loss_end`` (mean of the first / last 10 logged losses),
     ``tokens_per_s`` (training steps only, validation and checkpoints excluded),
     ``boundary_bytes_per_token`` (forward and backward bytes per token summed over every stage
-    boundary, measured on the tensors that cross it), ``tokens``, ``wall_s``, ``device``.
-    ``corpus`` may be passed to reuse a loaded ``stages.data.Corpus``.
+    boundary, measured on the tensors that cross it), ``tokens``, ``wall_s``, ``device``,
+    ``morphs`` / ``morph_time_s`` (morph epochs done and their time, inside the training time;
+    ``manifest.morph.every > 0`` morphs every boundary after every ``every``-th step).
+    ``corpus`` may be passed to reuse a loaded ``stages.data.Corpus``. ``morph_secret`` fixes the
+    secret a morphing run draws its private initialisation and transforms from (default: fresh
+    random bytes, forgotten).
     """
     import torch
 
@@ -199,6 +204,33 @@ def train(
         from stages import ArchWarmup
 
         warmups = [ArchWarmup(m, s, step=start) for s in stages]
+
+    # morphing (manifest.morph, docs/MORPH.md): every morph.every steps each boundary gets a fresh
+    # transform from a secret drawn here and forgotten; every non-head stage keeps a float64 master
+    # (``morph_secret`` makes it reproducible, for tests and benchmarks). The stages after the head
+    # start from a private initialisation drawn from that secret (a fresh run only): the public one
+    # would let anyone align their frames (docs/MORPH.md)
+    morphs, morph_time = 0, 0.0
+    masters = None
+    if m.morph.enabled:
+        import secrets
+
+        from stages import MorphMaster, private_init
+
+        run_secret = morph_secret if morph_secret is not None else secrets.token_bytes(32)
+        if start == 0:
+            for s in stages[1:]:
+                private_init(s, run_secret)
+        masters = [None] + [MorphMaster(s) for s in stages[1:]]
+
+    def morph(step: int) -> None:
+        import secrets
+
+        from stages import boundary_secret, morph_chain
+
+        secret = secrets.token_bytes(32) if morph_secret is None else boundary_secret(morph_secret, step, -1)
+        morph_chain(stages, secret, step // m.morph.every, kind=m.morph.kind,
+                    epsilon=m.morph.epsilon, optimizers=optims, masters=masters)
 
     def checkpoint(step: int) -> None:
         tensors, optim_meta = {}, []
@@ -292,8 +324,13 @@ def train(
                 if m.optim.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(s.parameters(), m.optim.grad_clip)
                 o.step()
-            updating = False
             step += 1
+            if masters is not None and step % m.morph.every == 0:
+                t_m = time.perf_counter()
+                morph(step)
+                morph_time += time.perf_counter() - t_m
+                morphs += 1
+            updating = False
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
@@ -329,6 +366,8 @@ def train(
                         rec["val_loss"] = val
                     if sharp is not None:
                         rec["sharpness"] = sharp
+                    if masters is not None:
+                        rec["morph_epoch"] = step // m.morph.every
                     jlog.write(json.dumps(rec) + "\n")
                     jlog.flush()
             if checkpoint_dir is not None and (
@@ -361,6 +400,8 @@ def train(
         "tokens_per_s": tokens / train_time if train_time > 0 else None,
         "boundary_bytes_per_token": {k: v / max(1, B * L * accum) for k, v in bnd.items()},
         "device": str(device),
+        "morphs": morphs,
+        "morph_time_s": morph_time,
         "wall_s": time.perf_counter() - t_start,
         "stages": stages,
     }
