@@ -108,7 +108,7 @@ def _train_state_bytes(stage, optimizer) -> int:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from node.ops.train_local import train
+    from node.ops import train
     from stages import (
         Batches, MorphMaster, build_optimizer, build_stage, lm_loss, load_corpus, load_manifest, morph_chain, val_batches,
     )

@@ -307,7 +307,7 @@ def test_train_local_morphs_and_trains_like_without(tmp_path):
     """train-local with morph.every = 10 trains (loss falls), morphs on schedule, and follows the
     same trajectory as the same model trained without morphs (the optimizer is equivariant)."""
     torch.set_num_threads(1)
-    from node.ops.train_local import train
+    from node.ops import train
 
     m = _morph_manifest("test", optim="muon").replace(
         optim={"lr": 0.02, "aux_lr": 0.3, "momentum": 0.9}, schedule={"total_steps": 40},
