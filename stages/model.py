@@ -334,6 +334,9 @@ class Stage(nn.Module):
     - body: ``forward(c, ids)`` decodes, runs its blocks, returns the next code
     - tail (last): ``forward(c, ids)`` decodes, runs its blocks, returns logits (B, L, V)
     A single-stage layout is head and tail at once: ids -> logits. Codes are float32.
+    In a run that morphs (``manifest.morph.every > 0``) a stage also holds the k×k float64
+    buffers ``morph_in`` (not the head: it decodes ``c·morph_in``) and ``morph_out`` (not the tail:
+    it sends ``encode(h)·morph_out``), identity until stages/morph.py folds transforms into them.
     """
 
     def __init__(self, manifest, index: int):
