@@ -12,11 +12,11 @@ from protocol.frames import (
 )
 from protocol.messages import (
     BWD, EXCHANGES, FLOAT_DTYPES, FWD, HEALTH, INDEX_DTYPES, MAX_DETAIL, MAX_HORIZON_S, MAX_ID_LEN, MAX_ROUTE,
-    OPTIONAL_FIELDS, PROTOCOLS, REQUIRED_FIELDS, SKIP_ONLY_FIELDS, STATE, Bwd, Expect, Fwd, Refused, Reply,
-    StateAssembler, StateRequest, TensorSpec, check_finite, check_request, check_run, check_tensors, make_ack,
-    make_bwd, make_fwd, make_health, make_health_request, make_reject, make_reject_for, make_state_chunk,
-    make_state_request, parse_health, parse_reply, state_chunks, validate_bwd, validate_fwd,
-    validate_health_request, validate_state_request,
+    MORPH, MORPH_SEED_BYTES, OPTIONAL_FIELDS, PROTOCOLS, REQUIRED_FIELDS, SKIP_ONLY_FIELDS, STATE, Bwd, Expect, Fwd,
+    MorphSeed, Refused, Reply, StateAssembler, StateRequest, TensorSpec, check_finite, check_request, check_run,
+    check_tensors, make_ack, make_bwd, make_fwd, make_health, make_health_request, make_morph_seed, make_reject,
+    make_reject_for, make_state_chunk, make_state_request, parse_health, parse_reply, state_chunks, validate_bwd,
+    validate_fwd, validate_health_request, validate_morph_seed, validate_state_request,
 )
 
 __all__ = [
@@ -55,6 +55,8 @@ __all__ = [
     "MAX_HORIZON_S",
     "MAX_ID_LEN",
     "MAX_ROUTE",
+    "MORPH",
+    "MORPH_SEED_BYTES",
     "OPTIONAL_FIELDS",
     "PROTOCOLS",
     "REQUIRED_FIELDS",
@@ -63,6 +65,7 @@ __all__ = [
     "Bwd",
     "Expect",
     "Fwd",
+    "MorphSeed",
     "Refused",
     "Reply",
     "StateAssembler",
@@ -77,6 +80,7 @@ __all__ = [
     "make_fwd",
     "make_health",
     "make_health_request",
+    "make_morph_seed",
     "make_reject",
     "make_reject_for",
     "make_state_chunk",
@@ -87,5 +91,6 @@ __all__ = [
     "validate_bwd",
     "validate_fwd",
     "validate_health_request",
+    "validate_morph_seed",
     "validate_state_request",
 ]

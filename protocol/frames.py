@@ -65,6 +65,7 @@ MESSAGE_TYPES = (
     "state-chunk",
     "health-request",
     "health",
+    "morph-seed",
 )
 
 
@@ -79,6 +80,7 @@ class Reason(str, enum.Enum):
     BUSY = "busy"  # receiver is at capacity; retry elsewhere or later
     REJECTED_BY_VERIFIER = "rejected-by-verifier"  # SENTINEL refused the tensors
     BANNED = "banned"  # the sending peer is on the receiver's ban list
+    WRONG_EPOCH = "wrong-epoch"  # the frame belongs to another morph epoch (basis) than the receiver's
     INTERNAL = "internal"  # the receiver failed; not the sender's fault
 
     def __str__(self) -> str:

@@ -52,13 +52,16 @@ FWD = f"/swarm-node/fwd/{PROTOCOL_VERSION}"
 BWD = f"/swarm-node/bwd/{PROTOCOL_VERSION}"
 STATE = f"/swarm-node/state/{PROTOCOL_VERSION}"
 HEALTH = f"/swarm-node/health/{PROTOCOL_VERSION}"
-PROTOCOLS = (FWD, BWD, STATE, HEALTH)
+MORPH = f"/swarm-node/morph/{PROTOCOL_VERSION}"
+PROTOCOLS = (FWD, BWD, STATE, HEALTH, MORPH)
 EXCHANGES: dict[str, tuple[str, tuple[str, ...]]] = {
     FWD: ("fwd", ("ack", "reject")),
     BWD: ("bwd", ("ack", "reject")),
     STATE: ("state-request", ("state-chunk", "reject")),
     HEALTH: ("health-request", ("health", "reject")),
+    MORPH: ("morph-seed", ("ack", "reject")),
 }
+MORPH_SEED_BYTES = 32  # a morph seed: 256 random bits, carried as a uint8 tensor (never in a header)
 
 # Fields each message type must carry (besides v, type, tensors, body_len), and the optional
 # fields it may carry. PROTOCOL.md lists the same (the "Message types" table and the field
@@ -72,16 +75,18 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "state-chunk": ("run", "manifest", "stage", "version", "seq", "last"),
     "health-request": (),
     "health": ("status",),
+    "morph-seed": ("run", "manifest", "stage", "boundary", "epoch"),
 }
 OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
-    "fwd": ("horizon_s",),
-    "bwd": ("skip", "detail", "score", "refused"),
+    "fwd": ("horizon_s", "epoch"),
+    "bwd": ("skip", "detail", "score", "refused", "epoch"),
     "ack": ("queue",),
-    "reject": ("mb", "retry_ms", "score"),
+    "reject": ("mb", "retry_ms", "score", "epoch"),
     "state-request": ("max_chunk_bytes",),
-    "state-chunk": ("parts",),
+    "state-chunk": ("parts", "epoch"),
     "health-request": (),
     "health": (),
+    "morph-seed": (),
 }
 # Optional bwd fields that only a skip may carry (a gradient bwd with one of them is bad-frame;
 # ``detail`` is left out: it was always tolerated, and ignored, on a gradient).
@@ -126,18 +131,22 @@ def make_fwd(
     ids: torch.Tensor,
     codec: str = "subspace",
     sent_ms: int | None = None,
+    epoch: int | None = None,
     **extra,
 ) -> Buffers:
     """Activations of microbatch ``mb`` from ``stage`` to a replica of ``stage + 1``.
 
     ``c`` is the boundary code (B, L, k) in a float dtype, ``ids`` the tokens (B, L) the tail
     needs for its loss. ``route`` lists the peers of stages 0..stage, the sender last.
+    ``epoch``: the morph epoch (basis) ``c`` is in; None (morphing off) leaves the field out.
     """
     header = {
         "type": "fwd", "run": run, "manifest": manifest_hash, "mb": mb, "stage": stage,
         "version": version, "route": list(route), "codec": codec,
         "sent_ms": _now_ms() if sent_ms is None else sent_ms, **extra,
     }
+    if epoch is not None:
+        header["epoch"] = int(epoch)
     return encode_frame(header, _sort_by_itemsize([("c", c), ("ids", ids)]))
 
 
@@ -155,6 +164,7 @@ def make_bwd(
     detail: str = "",
     score: float | None = None,
     refused: Refused | str | None = None,
+    epoch: int | None = None,
     **extra,
 ) -> Buffers:
     """Gradient dL/dc (B, L, k) of microbatch ``mb`` from ``stage`` back to ``stage - 1``.
@@ -165,6 +175,7 @@ def make_bwd(
     With a skip only: ``refused`` says whose output the refusal concerns (``"own"``: the next
     stage refused this sender's own output; ``"relayed"``: passed on from further downstream),
     ``score`` is the refusing verifier's score (finite, > 0; see ``make_reject``).
+    ``epoch``: the morph epoch of the microbatch (its forward's basis); None leaves it out.
     """
     if (grad is None) == (skip is None):
         raise ValueError("make_bwd: give exactly one of grad= (a gradient) or skip= (a reason)")
@@ -175,6 +186,8 @@ def make_bwd(
         "version": version, "route": list(route), "codec": codec,
         "sent_ms": _now_ms() if sent_ms is None else sent_ms, **extra,
     }
+    if epoch is not None:
+        header["epoch"] = int(epoch)
     if skip is not None:
         header["skip"] = Reason(skip).value
         header["detail"] = detail[:MAX_DETAIL]
@@ -201,11 +214,13 @@ def make_reject(
     mb: int | None = None,
     retry_ms: int | None = None,
     score: float | None = None,
+    epoch: int | None = None,
     **extra,
 ) -> Buffers:
     """Refusal reply. The stream is closed after it. ``retry_ms`` goes with ``busy``; ``score``
     with ``rejected-by-verifier`` when a fence (not a rule) refused: the verifier's score, the
-    worst distance over its fence as a ratio (finite, > 0; ``security.bans.verdict_score``)."""
+    worst distance over its fence as a ratio (finite, > 0; ``security.bans.verdict_score``);
+    ``epoch`` with ``wrong-epoch``: the receiver's own morph epoch."""
     header = {"type": "reject", "reason": Reason(reason).value, "detail": str(detail)[:MAX_DETAIL], **extra}
     if mb is not None:
         header["mb"] = mb
@@ -213,6 +228,8 @@ def make_reject(
         header["retry_ms"] = retry_ms
     if score is not None:
         header["score"] = _score_arg("make_reject", score)
+    if epoch is not None:
+        header["epoch"] = int(epoch)
     return encode_frame(header)
 
 
@@ -260,13 +277,15 @@ def make_state_chunk(
     last: bool,
     tensors: Sequence[tuple[str, torch.Tensor]],
     parts: Mapping[str, tuple[str, int, Sequence[int]]] | None = None,
+    epoch: int | None = None,
     **extra,
 ) -> Buffers:
     """One chunk of a stage's state (``seq`` counts from 0; ``last`` marks the final one).
 
     ``parts[wire_name] = (name, start, full_shape)`` marks a tensor that is a 1-D slice of state
     tensor ``name`` (of shape ``full_shape``) beginning at flat element ``start``; use
-    ``state_chunks`` rather than building these by hand.
+    ``state_chunks`` rather than building these by hand. ``epoch``: the morph epoch (basis) the
+    state is in; None (morphing off) leaves the field out.
     """
     header = {
         "type": "state-chunk", "run": run, "manifest": manifest_hash, "stage": stage,
@@ -277,6 +296,8 @@ def make_state_chunk(
             w: {"of": of, "start": int(start), "shape": [int(d) for d in shape]}
             for w, (of, start, shape) in parts.items()
         }
+    if epoch is not None:
+        header["epoch"] = int(epoch)
     return encode_frame(header, list(tensors))
 
 
@@ -287,6 +308,7 @@ def state_chunks(
     version: int,
     state: Mapping[str, torch.Tensor],
     max_chunk_bytes: int = 16 * 1024 * 1024,
+    epoch: int | None = None,
 ) -> Iterator[Buffers]:
     """Split a state dict into ``state-chunk`` frames whose bodies stay within ``max_chunk_bytes``.
 
@@ -314,13 +336,13 @@ def state_chunks(
     for wire_name, t, part in pieces():
         nbytes = t.numel() * t.element_size()
         if pending and used + nbytes > max_chunk_bytes:
-            yield make_state_chunk(run, manifest_hash, stage, version, seq, False, pending, parts)
+            yield make_state_chunk(run, manifest_hash, stage, version, seq, False, pending, parts, epoch=epoch)
             pending, parts, used, seq = [], {}, 0, seq + 1
         pending.append((wire_name, t))
         if part is not None:
             parts[wire_name] = part
         used += nbytes
-    yield make_state_chunk(run, manifest_hash, stage, version, seq, True, pending, parts)
+    yield make_state_chunk(run, manifest_hash, stage, version, seq, True, pending, parts, epoch=epoch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,6 +521,7 @@ class Fwd:
     ids: torch.Tensor
     header: Mapping = field(repr=False, default_factory=dict)
     horizon_s: float | None = None  # optional: the head's look-ahead horizon in seconds, passed down the pipeline
+    epoch: int = 0  # the morph epoch (basis) of ``c``; 0 when absent
 
 
 @dataclass(frozen=True)
@@ -515,6 +538,7 @@ class Bwd:
     header: Mapping = field(repr=False, default_factory=dict)
     score: float | None = None  # skip only: the refusing verifier's score (> 0, finite), if it sent one
     refused: str | None = None  # skip only: "own" or "relayed" (a Refused value), None if absent or unknown
+    epoch: int = 0  # the morph epoch of the microbatch; 0 when absent
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], dims: Mapping[str, int]) -> dict:
@@ -583,10 +607,11 @@ def validate_fwd(frame: Frame, expect: Expect, sender: str | None = None) -> Fwd
         or not math.isfinite(horizon) or not 0 <= horizon <= MAX_HORIZON_S
     ):
         raise _bad(f"fwd field 'horizon_s' is {_short(horizon)}; need a number in 0..{MAX_HORIZON_S:g} (seconds)")
+    epoch = _get_uint(h, "epoch", optional=True) or 0
     check_tensors(frame.tensors, expect.tensors, expect.dims)
     check_finite(frame.tensors)
     return Fwd(mb, stage, version, route, codec, sent_ms, frame.tensors["c"], frame.tensors["ids"], h,
-               None if horizon is None else float(horizon))
+               None if horizon is None else float(horizon), epoch)
 
 
 def validate_bwd(frame: Frame, expect: Expect, sender: str | None = None) -> Bwd:
@@ -599,6 +624,7 @@ def validate_bwd(frame: Frame, expect: Expect, sender: str | None = None) -> Bwd
         raise _bad(f"route names {route[stage]!r} at stage {stage} but the frame came from {sender!r}")
     if expect.self_peer is not None and route[stage - 1] != expect.self_peer:
         raise _bad(f"this node is not on the microbatch's route (stage {stage - 1} is {route[stage - 1]!r})")
+    epoch = _get_uint(h, "epoch", optional=True) or 0
     skip = h.get("skip")
     if skip is not None:
         skip = _get_str(h, "skip", maxlen=64)
@@ -612,13 +638,13 @@ def validate_bwd(frame: Frame, expect: Expect, sender: str | None = None) -> Bwd
         if refused not in _REFUSED_VALUES:  # absent, or a newer peer's value: no attribution (PROTOCOL.md)
             refused = None
         return Bwd(mb, stage, version, route, codec, sent_ms, None, skip,
-                   detail[:MAX_DETAIL] if isinstance(detail, str) else "", h, score, refused)
+                   detail[:MAX_DETAIL] if isinstance(detail, str) else "", h, score, refused, epoch)
     present = [f for f in SKIP_ONLY_FIELDS if h.get(f) is not None]
     if present:
         raise _bad(f"bwd field(s) {present} go with 'skip' only; a gradient bwd carries none")
     check_tensors(frame.tensors, expect.tensors, expect.dims)
     check_finite(frame.tensors)
-    return Bwd(mb, stage, version, route, codec, sent_ms, frame.tensors["grad"], None, "", h)
+    return Bwd(mb, stage, version, route, codec, sent_ms, frame.tensors["grad"], None, "", h, epoch=epoch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -640,6 +666,7 @@ class Reply:
     retry_ms: int | None = None
     header: Mapping = field(repr=False, default_factory=dict)
     score: float | None = None  # reject: the refusing verifier's score (> 0, finite), if it sent one
+    epoch: int | None = None  # reject (wrong-epoch): the receiver's morph epoch, if it sent one
 
 
 def parse_reply(frame: Frame) -> Reply:
@@ -661,7 +688,8 @@ def parse_reply(frame: Frame) -> Reply:
     except ValueError:
         reason = Reason.INTERNAL
     return Reply(False, mb, reason=reason, reason_code=code, detail=detail[:MAX_DETAIL],
-                 retry_ms=_get_uint(h, "retry_ms", optional=True), header=h, score=_get_score(h))
+                 retry_ms=_get_uint(h, "retry_ms", optional=True), header=h, score=_get_score(h),
+                 epoch=_get_uint(h, "epoch", optional=True))
 
 
 def validate_health_request(frame: Frame) -> None:
@@ -713,6 +741,7 @@ class StateAssembler:
         self.run, self.manifest, self.stage = run, manifest, stage
         self.expected = {k: (tuple(v.shape), v.dtype, v.numel()) for k, v in expected.items()}
         self.version: int | None = None
+        self.epoch: int | None = None  # the morph epoch of the state (0 when the chunks carry none)
         self.done = False
         self._seq = 0
         self._out: dict[str, torch.Tensor] = {}
@@ -732,10 +761,13 @@ class StateAssembler:
             raise _bad("state-chunk field 'last' must be a bool")
         if seq != self._seq:
             raise _bad(f"state-chunk seq {seq}; expected {self._seq}")
+        epoch = _get_uint(h, "epoch", optional=True) or 0
         if self.version is None:
-            self.version = version
+            self.version, self.epoch = version, epoch
         elif version != self.version:
             raise _bad(f"state-chunk version {version} changed mid-transfer (was {self.version})")
+        elif epoch != self.epoch:
+            raise _bad(f"state-chunk epoch {epoch} changed mid-transfer (was {self.epoch})")
         parts = h.get("parts", {})
         if not isinstance(parts, dict):
             raise _bad("state-chunk field 'parts' must be a map")
@@ -798,3 +830,52 @@ class StateAssembler:
         if not self.done:
             raise _bad("state transfer is not complete")
         return {k: self._out[k] for k in self.expected}
+
+
+# ---------------------------------------------------------------------------------------------
+# Morph seeds
+
+
+@dataclass(frozen=True)
+class MorphSeed:
+    stage: int  # the sender's stage (the boundary's upstream stage)
+    boundary: int  # the boundary between stage ``boundary`` and ``boundary + 1``
+    epoch: int  # the morph epoch whose transform of that boundary the seed draws
+    seed: bytes = field(repr=False)  # MORPH_SEED_BYTES random bytes; never logged
+
+    def __repr__(self) -> str:  # the seed stays out of every repr, log line and traceback
+        return f"MorphSeed(stage={self.stage}, boundary={self.boundary}, epoch={self.epoch})"
+
+
+def make_morph_seed(run: str, manifest_hash: str, stage: int, boundary: int, epoch: int, seed: bytes,
+                    **extra) -> Buffers:
+    """The seed of boundary ``boundary``'s transform for morph epoch ``epoch``, from a replica of
+    stage ``stage`` (= ``boundary``: the boundary's sender deals it) to a replica of either side.
+    The seed travels as the frame's one tensor, ``seed`` (uint8, MORPH_SEED_BYTES), never in the
+    header, so nothing that logs headers can see it."""
+    if not isinstance(seed, (bytes, bytearray)) or len(seed) != MORPH_SEED_BYTES:
+        raise ValueError(f"make_morph_seed: the seed must be {MORPH_SEED_BYTES} bytes")
+    header = {"type": "morph-seed", "run": run, "manifest": manifest_hash, "stage": stage,
+              "boundary": boundary, "epoch": epoch, **extra}
+    return encode_frame(header, [("seed", torch.frombuffer(bytearray(seed), dtype=torch.uint8))])
+
+
+def validate_morph_seed(frame: Frame, run: str, manifest: str, stage: int) -> MorphSeed:
+    """A replica of ``stage`` checks a morph seed: run and manifest, field types, the boundary is
+    one of this stage's (``stage - 1`` or ``stage``, else ``wrong-stage``), the sender is the
+    boundary's upstream stage (else ``wrong-stage``), exactly one ``seed`` tensor of
+    MORPH_SEED_BYTES uint8. Whether the sender may deal it, and for which epoch, is the
+    runtime's rule (docs/PROTOCOL.md, "Morph epochs")."""
+    h = _check_type(frame, "morph-seed")
+    check_run(h, run, manifest)
+    sender = _get_uint(h, "stage", maximum=MAX_ROUTE - 1)
+    boundary = _get_uint(h, "boundary", maximum=MAX_ROUTE - 2)
+    epoch = _get_uint(h, "epoch")
+    if boundary not in (stage - 1, stage):
+        raise ProtocolError(Reason.WRONG_STAGE, f"morph seed of boundary {boundary}; stage {stage} has boundaries "
+                                                f"{stage - 1} and {stage}")
+    if sender != boundary:
+        raise ProtocolError(Reason.WRONG_STAGE, f"morph seed of boundary {boundary} from stage {sender}; "
+                                                f"the seed of a boundary comes from its upstream stage {boundary}")
+    check_tensors(frame.tensors, {"seed": TensorSpec((MORPH_SEED_BYTES,), ("uint8",))}, {})
+    return MorphSeed(sender, boundary, epoch, bytes(frame.tensors["seed"].numpy().tobytes()))

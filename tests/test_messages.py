@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from protocol import (
-    BWD, EXCHANGES, FWD, HEALTH, MAGIC, MAX_DETAIL, MAX_ID_LEN, MAX_ROUTE, OPTIONAL_FIELDS, PROTOCOLS,
-    REQUIRED_FIELDS, SKIP_ONLY_FIELDS, STATE, Expect, FrameDecoder, ProtocolError, Reason, Refused,
+    BWD, EXCHANGES, FWD, HEALTH, MAGIC, MAX_DETAIL, MAX_ID_LEN, MAX_ROUTE, MORPH, OPTIONAL_FIELDS, PROTOCOLS,
+    MORPH_SEED_BYTES, REQUIRED_FIELDS, SKIP_ONLY_FIELDS, STATE, Expect, FrameDecoder, ProtocolError, Reason, Refused,
     StateAssembler, check_finite, check_request, encode_frame_bytes, frames, make_ack, make_bwd, make_fwd,
     make_health, make_health_request, make_reject, make_reject_for, make_state_chunk, make_state_request,
-    parse_health, parse_reply, state_chunks, validate_bwd, validate_fwd, validate_health_request,
-    validate_state_request,
+    make_morph_seed, parse_health, parse_reply, state_chunks, validate_bwd, validate_fwd, validate_health_request,
+    validate_morph_seed, validate_state_request,
 )
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
@@ -349,8 +349,8 @@ def test_health():
 
 def test_protocol_ids_are_derived_from_the_version():
     v = frames.PROTOCOL_VERSION
-    assert (FWD, BWD, STATE, HEALTH) == PROTOCOLS == tuple(EXCHANGES)
-    assert PROTOCOLS == tuple(f"/swarm-node/{name}/{v}" for name in ("fwd", "bwd", "state", "health"))
+    assert (FWD, BWD, STATE, HEALTH, MORPH) == PROTOCOLS == tuple(EXCHANGES)
+    assert PROTOCOLS == tuple(f"/swarm-node/{name}/{v}" for name in ("fwd", "bwd", "state", "health", "morph"))
     assert FWD == "/swarm-node/fwd/1"  # version 1 on the wire
 
 
@@ -510,6 +510,7 @@ def test_doc_field_tables_match_required_and_optional_fields():
         "ack": {"ack": "ack"},
         "reject": {"reject": "reject"},
         "state-request and state-chunk": {"state-request": "request", "state-chunk": "chunk"},
+        "morph-seed": {"morph-seed": "morph-seed"},
     }
     seen = set()
     for heading, scopes in tables.items():
@@ -582,3 +583,78 @@ def test_doc_version_rule_matches_the_detail_the_code_sends():
     assert err.reason is Reason.BAD_FRAME
     quoted = re.search(r'\("(protocol version 2 is newer than this node\'s 1); \.\.\."\)', DOC.read_text())
     assert quoted and err.detail.startswith(quoted.group(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# morph epochs: the epoch field, morph seeds
+
+
+def test_epoch_field_round_trips_and_is_absent_when_morphing_is_off():
+    assert "epoch" not in fwd().header and validate_fwd(fwd(), expect_fwd()).epoch == 0
+    assert validate_fwd(fwd(epoch=7), expect_fwd()).epoch == 7
+    assert validate_bwd(bwd(epoch=3), expect_bwd()).epoch == 3
+    skip = validate_bwd(bwd(grad=None, skip=Reason.WRONG_EPOCH, epoch=4), expect_bwd())
+    assert (skip.skip, skip.epoch) == ("wrong-epoch", 4)
+    for bad in (-1, "2", True, 1.5):
+        assert "'epoch'" in reason_of(validate_fwd, _fwd_with_epoch(bad), expect_fwd()).detail
+    rej = parse_reply(dec(make_reject(Reason.WRONG_EPOCH, "in epoch 5", mb=1, epoch=5)))
+    assert (rej.reason, rej.epoch) == (Reason.WRONG_EPOCH, 5)
+    assert parse_reply(dec(make_reject(Reason.BUSY, "full"))).epoch is None
+
+
+def _fwd_with_epoch(value):
+    from protocol import encode_frame
+
+    h = {"type": "fwd", "run": RUN, "manifest": HASH, "mb": 11, "stage": 1, "version": 20, "route": ROUTE[:2],
+         "codec": "subspace", "sent_ms": 5, "epoch": value}
+    return dec(encode_frame(h, [("ids", torch.zeros(2, 5, dtype=torch.long)), ("c", torch.randn(2, 5, K))]))
+
+
+def test_state_chunks_carry_one_epoch():
+    state = {"w": torch.randn(300), "b": torch.randn(4)}
+    asm = StateAssembler(RUN, HASH, 1, state)
+    for buffers in state_chunks(RUN, HASH, 1, 9, state, max_chunk_bytes=512, epoch=6):
+        asm.add(dec(buffers))
+    assert asm.done and asm.epoch == 6 and asm.version == 9
+    plain = StateAssembler(RUN, HASH, 1, state)
+    for buffers in state_chunks(RUN, HASH, 1, 9, state):
+        plain.add(dec(buffers))
+    assert plain.epoch == 0
+    mixed = StateAssembler(RUN, HASH, 1, state)
+    chunks = list(state_chunks(RUN, HASH, 1, 9, state, max_chunk_bytes=512, epoch=6))
+    mixed.add(dec(chunks[0]))
+    second = dec(chunks[1])
+    second.header["epoch"] = 7
+    assert "epoch 7 changed" in reason_of(mixed.add, second).detail
+
+
+def test_morph_seed_round_trip_keeps_the_seed_out_of_the_header_and_repr():
+    seed = bytes(range(MORPH_SEED_BYTES))
+    data = b"".join(make_morph_seed(RUN, HASH, 1, 1, 4, seed))
+    (hlen,) = struct.unpack(">I", data[4:8])
+    assert seed not in data[: 8 + hlen] and data[8 + hlen:] == seed  # the body is the seed, the header is not
+    frame = dec([data])
+    got = validate_morph_seed(frame, RUN, HASH, 2)  # the receiving side: stage 2 holds boundary 1
+    assert (got.stage, got.boundary, got.epoch, got.seed) == (1, 1, 4, seed)
+    assert seed.hex() not in repr(got) and str(list(seed[:4])) not in repr(got)
+    assert validate_morph_seed(frame, RUN, HASH, 1).seed == seed  # the sending side's replicas too
+    with pytest.raises(ValueError):
+        make_morph_seed(RUN, HASH, 1, 1, 4, b"short")
+
+
+def test_morph_seed_refusals():
+    seed = bytes(MORPH_SEED_BYTES)
+    assert reason_of(validate_morph_seed, dec(make_morph_seed(RUN, HASH, 1, 1, 4, seed)), RUN, HASH, 3).reason \
+        is Reason.WRONG_STAGE  # stage 3 holds boundaries 2 and 3
+    assert reason_of(validate_morph_seed, dec(make_morph_seed(RUN, HASH, 2, 1, 4, seed)), RUN, HASH, 1).reason \
+        is Reason.WRONG_STAGE  # the downstream side does not deal
+    assert reason_of(validate_morph_seed, dec(make_morph_seed("other", HASH, 1, 1, 4, seed)), RUN, HASH, 1).reason \
+        is Reason.WRONG_RUN
+    from protocol import encode_frame
+
+    h = {"type": "morph-seed", "run": RUN, "manifest": HASH, "stage": 1, "boundary": 1, "epoch": 2}
+    for tensors in ([], [("seed", torch.zeros(16, dtype=torch.uint8))], [("seed", torch.zeros(32))],
+                    [("seed", torch.zeros(32, dtype=torch.uint8)), ("x", torch.zeros(1, dtype=torch.uint8))]):
+        assert reason_of(validate_morph_seed, dec(encode_frame(h, tensors)), RUN, HASH, 1).reason is Reason.BAD_FRAME
+    assert reason_of(validate_morph_seed, dec(encode_frame({**h, "epoch": -1}, [("seed", torch.zeros(32, dtype=torch.uint8))])),
+                     RUN, HASH, 1).reason is Reason.BAD_FRAME

@@ -34,12 +34,12 @@ def test_protocol_ids_have_one_definition():
 
     v = protocol.PROTOCOL_VERSION
     assert protocol.PROTOCOLS == (f"/swarm-node/fwd/{v}", f"/swarm-node/bwd/{v}", f"/swarm-node/state/{v}",
-                                  f"/swarm-node/health/{v}")
+                                  f"/swarm-node/health/{v}", f"/swarm-node/morph/{v}")
     assert not any(hasattr(p2p, name) for name in ("FWD", "BWD", "STATE", "HEALTH", "PROTOCOLS"))  # no copies
     assert probe_libp2p.FWD is protocol.FWD and probe_libp2p.HEALTH is protocol.HEALTH
     assert probe_libp2p.VERSION == v and probe_libp2p.MAGIC == b"SWN1"  # the magic is from the spec, on purpose
     assert _WireBytes.NAMES == {protocol.FWD: "fwd", protocol.BWD: "bwd", protocol.STATE: "state",
-                                protocol.HEALTH: "health"}
+                                protocol.HEALTH: "health", protocol.MORPH: "morph"}
     assert not hasattr(messages, "FWD_PROTOCOL")
 
 
