@@ -325,6 +325,7 @@ class Node:
                 prefix=averaging_prefix(self.m.run.id, self.index), fraction=a.avg_fraction, every=a.avg_every,
                 seed=self.m.run.seed + self.index, correction=a.avg_correction, timeout=a.avg_timeout_s,
                 peers_fn=lambda: self.router.count_by_stage(self.m.n_stages)[self.index] + 1,
+                epoch_fn=lambda: self.runtime.trainer.epoch if self.runtime is not None else 0,
             )
             avg.start()
         except Exception as e:  # noqa: BLE001 - training works without averaging; say so
@@ -415,20 +416,31 @@ class Node:
             self.metrics.attach_holepunch(DaemonMetrics(url).holepunch)
         return tracker
 
-    async def _join_state(self, rt, StateSyncError, attempts: int = 6, wait_s: float = 10.0) -> None:
+    async def _join_state(self, rt, StateSyncError, attempts: int = 6, wait_s: float = 10.0,
+                          max_busy_s: float = 3600.0) -> None:
         """A new replica's weights: downloaded from the online replicas of its stage (verified by
         agreement, ``--verify-state``), or the run seed's initialisation when there are none. When
         the replicas' weights cannot be trusted (two that disagree, say) it waits for more replicas
-        and tries again, then gives up with one line."""
-        for attempt in range(attempts):
+        and tries again, then gives up with one line. While every replica answers ``busy`` (a
+        morphing swarm serves a new peer two epochs after it appeared) it waits, up to ``max_busy_s``."""
+        attempt, busy_since = 0, None
+        while attempt < attempts:
             if not self.router.stage_peers(self.index):
                 return  # the first replica of its stage: starts from the seed's initialisation
             t0 = time.monotonic()
             try:
                 got = await rt.sync_from_replicas()
             except StateSyncError as e:
-                log.error("stage %d state: %s (attempt %d of %d)", self.index, e, attempt + 1, attempts)
-                if attempt + 1 == attempts:
+                if e.busy and (busy_since is None or time.monotonic() - busy_since < max_busy_s):
+                    if busy_since is None:
+                        busy_since = time.monotonic()
+                        announce_line(f"waiting for stage {self.index} state: {e}")
+                    await asyncio.sleep(2.0)
+                    await self._refresh_peers()
+                    continue
+                attempt += 1
+                log.error("stage %d state: %s (attempt %d of %d)", self.index, e, attempt, attempts)
+                if attempt == attempts:
                     raise CliError(f"could not get trustworthy stage {self.index} state from the online replicas "
                                    f"({e}); check connectivity to them and retry later") from None
                 await asyncio.sleep(wait_s)

@@ -242,16 +242,40 @@ def test_round_number_disagreement_resynchronises_and_failures_are_skipped():
     ref = params[0].clone()
     avg = ReplicaAverager(None, params, prefix="x_stage0_avg", fraction=0.5, every=100, seed=3, correction=False)
     avg._averager = object()  # stands in for the hivemind process: nothing below talks to it
-    _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 5], [[False], [False]]))
+    _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 5], [[False], [False]], [0, 0]))
     assert avg.maybe_average(1) is False
     assert avg.stats.rounds_mismatched == 1 and avg._next_round == 6  # continue after the largest
     assert torch.equal(params[0], ref)  # a mixed-slice "average" is never applied
     _finished_round(avg, 6, error=TimeoutError("no group"))
     assert avg.maybe_average(2) is False and avg.stats.rounds_failed == 1
-    rnd = _finished_round(avg, 6, result=(torch.full((4,), 100.0), [6, 6], [[False], [False]]))
+    rnd = _finished_round(avg, 6, result=(torch.full((4,), 100.0), [6, 6], [[False], [False]], [0, 0]))
     assert avg.maybe_average(3) is True and avg.stats.rounds_applied == 1
     S = rnd.indices[0]
     assert torch.equal(params[0][S], torch.full((4,), 100.0))
     untouched = torch.ones(8, dtype=torch.bool)
     untouched[S] = False
     assert torch.equal(params[0][untouched], ref[untouched])
+
+
+def test_rounds_across_morph_epochs_are_discarded():
+    """Morphing: weights of two epochs are in two bases. A round whose group reports another epoch,
+    or during which this replica entered a new epoch, is never applied; one within an epoch is."""
+    params = [torch.arange(8, dtype=torch.float32)]
+    ref = params[0].clone()
+    epoch = [3]
+    avg = ReplicaAverager(None, params, prefix="x_stage0_avg", fraction=0.5, every=100, seed=3, correction=False,
+                          epoch_fn=lambda: epoch[0])
+    avg._averager = object()  # stands in for the hivemind process: nothing below talks to it
+    rnd = _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 2], [[False], [False]], [3, 4]))
+    rnd.epoch = 3
+    assert avg.maybe_average(1) is False and avg.stats.rounds_epoch_discarded == 1
+    assert torch.equal(params[0], ref)
+    rnd = _finished_round(avg, 3, result=(torch.full((4,), 100.0), [3, 3], [[False], [False]], [3, 3]))
+    rnd.epoch = 3
+    epoch[0] = 4  # this replica folded while the round ran: its snapshot is in the old basis
+    assert avg.maybe_average(2) is False and avg.stats.rounds_epoch_discarded == 2
+    assert torch.equal(params[0], ref)
+    rnd = _finished_round(avg, 4, result=(torch.full((4,), 100.0), [4, 4], [[False], [False]], [4, 4]))
+    rnd.epoch = 4
+    assert avg.maybe_average(3) is True and avg.stats.rounds_applied == 1
+    assert torch.equal(params[0][rnd.indices[0]], torch.full((4,), 100.0))

@@ -15,7 +15,10 @@ A round that fails or times out is dropped (the next one is H steps later); a re
 ``peers_fn`` says it is alone does not even start one. Replicas agree on which slice a round
 averages through hivemind's gather: each sends its round number, and a group whose numbers
 differ throws the result away and continues from the largest number (one wasted round after a
-desynchronisation, never a wrong average).
+desynchronisation, never a wrong average). In a morphing run (docs/MORPH.md) each replica also
+sends its morph epoch: replicas in different epochs hold their weights in different bases, so a
+group whose epochs differ, or a round during which this replica entered a new epoch, is thrown
+away too (``rounds_epoch_discarded``): averages are taken within one epoch only.
 
 hivemind constraints handled here: the averager is a child process (fork) that must be started
 from the main thread (it sets a SIGINT handler; we restore the caller's afterwards); the
@@ -55,6 +58,7 @@ class AveragingStats:
     rounds_applied: int = 0
     rounds_failed: int = 0
     rounds_mismatched: int = 0
+    rounds_epoch_discarded: int = 0  # rounds thrown away because they spanned morph epochs
     skipped_alone: int = 0
     skipped_busy: int = 0
     bytes_sent: int = 0
@@ -80,6 +84,7 @@ class _Round:
     moment_snap: torch.Tensor | None
     moment_mask: list[bool]
     started: float
+    epoch: int = 0  # this replica's morph epoch at the snapshot
     future: concurrent.futures.Future | None = None
     control: object = None  # hivemind StepControl, set by the worker; close() cancels it
 
@@ -122,6 +127,7 @@ class ReplicaAverager:
         target_group_size: int | None = None,
         peers_fn: Callable[[], int] | None = None,
         max_round_bytes: int = 256 << 20,
+        epoch_fn: Callable[[], int] | None = None,
     ):
         if every < 1:
             raise ValueError(f"avg_every must be >= 1, got {every}")
@@ -142,6 +148,7 @@ class ReplicaAverager:
         self.optimizer = optimizer
         self.correction = StalenessCorrection(correction)
         self.peers_fn = peers_fn
+        self.epoch_fn = epoch_fn  # the stage's morph epoch (read where maybe_average runs: the compute thread)
         self.stats = AveragingStats()
         self._buffer = torch.zeros(slices * self.schedule.max_size, dtype=torch.float32)
         self._averager_kwargs = dict(
@@ -254,7 +261,7 @@ class ReplicaAverager:
             moments, _ = self._moments()
             mask = [m is not None for m in moments]
             moment_snap = snapshot(moments, indices)
-        rnd = _Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic())
+        rnd = _Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic(), self._epoch())
         rnd.future = self._worker.submit(self._run_round, rnd)
         self._round = rnd
         self.stats.rounds_started += 1
@@ -263,10 +270,16 @@ class ReplicaAverager:
         rnd, self._round = self._round, None
         self.stats.last_round_seconds = time.monotonic() - rnd.started
         try:
-            averaged, rounds, masks = rnd.future.result()
+            averaged, rounds, masks, epochs = rnd.future.result()
         except Exception as e:  # noqa: BLE001 - any failure of a round only skips it
             self.stats.rounds_failed += 1
             log.info("averaging round %d failed (skipped): %s", rnd.number, str(e).strip()[:200] or type(e).__name__)
+            return False
+        if self._epoch() != rnd.epoch or any(e != rnd.epoch for e in epochs):
+            # weights of different morph epochs are in different bases: never averaged together
+            self.stats.rounds_epoch_discarded += 1
+            log.info("averaging round %d spans morph epochs (ours %d -> %d, group %s): discarded", rnd.number,
+                     rnd.epoch, self._epoch(), sorted(set(epochs)))
             return False
         g = len(rounds)
         self.stats.last_group_size = g
@@ -302,6 +315,9 @@ class ReplicaAverager:
         self.stats.last_moment_lambda = sum(lam_m) / max(1, len(lam_m))
         return True
 
+    def _epoch(self) -> int:
+        return int(self.epoch_fn()) if self.epoch_fn is not None else 0
+
     def _moments(self) -> tuple[list[torch.Tensor | None], list[float]]:
         if self.optimizer is None:
             return [None] * len(self.params), [0.0] * len(self.params)
@@ -309,7 +325,7 @@ class ReplicaAverager:
 
     # ------------------------------------------------------------------ worker thread
 
-    def _run_round(self, rnd: _Round) -> tuple[torch.Tensor, list[int], list[list[bool]]]:
+    def _run_round(self, rnd: _Round) -> tuple[torch.Tensor, list[int], list[list[bool]], list[int]]:
         averager = self._averager
         if averager is None:
             raise RuntimeError("closed")
@@ -319,12 +335,12 @@ class ReplicaAverager:
             buf[:n].copy_(rnd.snap)
             if rnd.moment_snap is not None:
                 buf[m0 : m0 + n].copy_(rnd.moment_snap)
-        gather = {"round": rnd.number, "moments": rnd.moment_mask}
+        gather = {"round": rnd.number, "moments": rnd.moment_mask, "epoch": rnd.epoch}
         rnd.control = averager.step(gather=gather, timeout=self.timeout, wait=False)
         gathered = rnd.control.result(timeout=2 * self.timeout + 5)
         if not gathered:
             raise RuntimeError("no group")
-        rounds, masks = [], []
+        rounds, masks, epochs = [], [], []
         for info in gathered.values():
             r = info.get("round") if isinstance(info, dict) else None
             mask = info.get("moments") if isinstance(info, dict) else None
@@ -334,11 +350,15 @@ class ReplicaAverager:
                 isinstance(x, bool) for x in mask
             ):
                 raise RuntimeError(f"bad moment mask from a peer: {str(info)[:100]}")
+            epoch = info.get("epoch", 0)  # absent: a replica that does not morph
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**62:
+                raise RuntimeError(f"bad morph epoch from a peer: {str(info)[:100]}")
             rounds.append(r)
             masks.append(mask)
+            epochs.append(epoch)
         with averager.get_tensors() as (buf,):
             averaged = buf.clone()
-        return averaged, rounds, masks
+        return averaged, rounds, masks, epochs
 
 
 def _averager_class():

@@ -67,13 +67,15 @@ class PeerRejected(TransportError):
     """The peer answered ``reject`` with a reason code (``wrong-run``, ``stale``, ...).
 
     ``score``: the reject's optional ``score`` field (with ``rejected-by-verifier``: the peer's
-    verifier score, > 0 and finite), None when it sent none or sent a malformed one."""
+    verifier score, > 0 and finite), None when it sent none or sent a malformed one. ``epoch``: the
+    reject's optional ``epoch`` (with ``wrong-epoch``: the peer's morph epoch), or None."""
 
-    def __init__(self, reason: str, detail: str = "", score: float | None = None):
+    def __init__(self, reason: str, detail: str = "", score: float | None = None, epoch: int | None = None):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
         self.score = score
+        self.epoch = epoch
 
 
 @dataclass
@@ -442,10 +444,11 @@ class Transport:
         if reason == Reason.BUSY.value:
             raise PeerBusy(f"{protocol_id}: {detail}" if detail else protocol_id)
         try:
-            score = parse_reply(frame).score
+            reply = parse_reply(frame)
+            score, epoch = reply.score, reply.epoch
         except ProtocolError:  # a malformed reject still refuses; only its typed fields are not trusted
-            score = None
-        raise PeerRejected(reason, detail, score)
+            score = epoch = None
+        raise PeerRejected(reason, detail, score, epoch)
 
     @contextlib.asynccontextmanager
     async def _peer_slot(self, peer_id: str) -> AsyncIterator[None]:

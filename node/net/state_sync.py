@@ -39,25 +39,46 @@ DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 class StateSyncError(Exception):
-    """No online replica could give us the stage's state."""
+    """No online replica could give us the stage's state. ``busy``: every replica asked answered
+    ``busy`` (e.g. a morphing swarm makes a new peer wait two epochs): wait, this is no failure."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
+
+
+MORPH_BUFFERS = ("morph_in", "morph_out")  # a morphing stage's basis maps (stages/morph.py): state like weights
 
 
 def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in module.named_parameters()}
+    """What state sync transfers: the stage's parameters, and with morphing on its basis maps
+    (``morph_in`` / ``morph_out`` buffers), without which the weights do not fit the neighbours."""
+    out = {n: p for n, p in module.named_parameters()}
+    for name in MORPH_BUFFERS:
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor):
+            out[name] = t
+    return out
 
 
 async def serve_state(frame, peer: str, *, run: str, mhash: str, stage_index: int, state: Callable[[], str],
-                      snapshot: Callable[[], Awaitable[tuple[int, dict[str, torch.Tensor]]]], metrics=None):
+                      snapshot: Callable[[], Awaitable[tuple[int, dict[str, torch.Tensor], int | None]]],
+                      metrics=None, wait: Callable[[str], str | None] | None = None):
     """``/swarm-node/state/1`` handler: yield our weights as chunk frames. ``state`` is the
-    replica's state now; ``snapshot`` gives one consistent (version, CPU parameters), taken by the
-    compute worker between two jobs."""
+    replica's state now; ``snapshot`` gives one consistent (version, CPU parameters, morph epoch or
+    None), taken by the compute worker between two jobs; ``wait(peer)``, if given, says why
+    ``peer`` must wait before it gets our state (answered ``busy``), or None."""
     req = validate_state_request(frame, run, mhash, stage_index)
     if state() not in ("online", "draining"):
         raise ProtocolError(Reason.BUSY, f"this replica is {state()}; ask an online one")
-    version, tensors = await snapshot()
+    why = wait(peer) if wait is not None else None
+    if why:
+        raise ProtocolError(Reason.BUSY, why)
+    version, tensors, epoch = await snapshot()
     chunk = min(req.max_chunk_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
     sent = 0
-    for frame_buffers in state_chunks(run, mhash, stage_index, version, tensors, max_chunk_bytes=max(1024, chunk)):
+    for frame_buffers in state_chunks(run, mhash, stage_index, version, tensors, max_chunk_bytes=max(1024, chunk),
+                                      epoch=epoch):
         sent += sum(memoryview(b).nbytes for b in frame_buffers)
         yield frame_buffers
     if metrics is not None:
@@ -66,9 +87,9 @@ async def serve_state(frame, peer: str, *, run: str, mhash: str, stage_index: in
 
 
 async def fetch_state(transport, peer: str, run: str, mhash: str, stage_index: int,
-                      module: torch.nn.Module, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor], int]:
+                      module: torch.nn.Module, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor], int, int]:
     """Fetch stage ``stage_index``'s weights from ``peer``, checked against ``module``'s names,
-    dtypes and shapes, without touching ``module``; returns (version, CPU tensors, bytes)."""
+    dtypes and shapes, without touching ``module``; returns (version, CPU tensors, bytes, morph epoch)."""
     expected = {n: p.detach() for n, p in parameters_of(module).items()}
     asm = StateAssembler(run, mhash, stage_index, {n: t.to("cpu") for n, t in expected.items()})
     received = 0
@@ -79,7 +100,7 @@ async def fetch_state(transport, peer: str, run: str, mhash: str, stage_index: i
             break
     if not asm.done:
         raise StateSyncError(f"{peer} closed the state stream before the last chunk")
-    return int(asm.version), asm.result(), received
+    return int(asm.version), asm.result(), received, int(asm.epoch or 0)
 
 
 def copy_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -91,17 +112,27 @@ def copy_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Non
 
 async def fetch_from_replicas(transport, peers: list[str], run: str, mhash: str, stage_index: int,
                               module: torch.nn.Module, metrics=None,
-                              timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor], str]:
+                              timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor], str, int]:
     """Try online replicas in order until one hands over its state (``fetch_state``, not yet
-    applied); returns (version, CPU tensors, peer). Used by a joiner and by a replica catching
-    up after a ban."""
+    applied); returns (version, CPU tensors, peer, morph epoch). Used by a joiner and by a replica
+    catching up after a ban."""
     errors = []
+    busy = 0
     for peer in peers:
         t0 = time.monotonic()
         try:
-            version, tensors, nbytes = await fetch_state(transport, peer, run, mhash, stage_index, module, timeout)
-        except (PeerBusy, PeerRejected, PeerUnreachable, ProtocolError, StateSyncError,
-                asyncio.TimeoutError, ConnectionError, OSError) as e:
+            version, tensors, nbytes, epoch = await fetch_state(transport, peer, run, mhash, stage_index, module,
+                                                                timeout)
+        except (PeerBusy, ProtocolError) as e:
+            if isinstance(e, ProtocolError) and e.reason is not Reason.BUSY:
+                errors.append(f"{peer[-8:]}: {e!r}"[:200])
+                log.warning("state download from %s failed: %r", peer[-8:], e)
+                continue
+            busy += 1
+            errors.append(f"{peer[-8:]}: {e}"[:200])
+            log.info("state download from %s: busy (%s)", peer[-8:], e)
+            continue
+        except (PeerRejected, PeerUnreachable, StateSyncError, asyncio.TimeoutError, ConnectionError, OSError) as e:
             errors.append(f"{peer[-8:]}: {e!r}"[:200])
             log.warning("state download from %s failed: %r", peer[-8:], e)
             continue
@@ -109,5 +140,6 @@ async def fetch_from_replicas(transport, peers: list[str], run: str, mhash: str,
             metrics.state_sync_bytes.labels(direction="in").inc(nbytes)
         log.info("downloaded stage %d state (version %d, %.1f MiB) from %s in %.1f s", stage_index, version,
                  nbytes / 2**20, peer[-8:], time.monotonic() - t0)
-        return version, tensors, peer
-    raise StateSyncError("no online replica gave us the stage state: " + "; ".join(errors))
+        return version, tensors, peer, epoch
+    raise StateSyncError("no online replica gave us the stage state: " + "; ".join(errors),
+                         busy=bool(errors) and busy == len(errors))

@@ -34,6 +34,7 @@ class Verified:
     verified: bool  # False: only one replica was online to download from
     refused: list[str] = field(default_factory=list)  # sources whose state disagreed with the majority
     distances: dict[str, float] = field(default_factory=dict)  # source -> parameter distance to the taken state
+    epoch: int = 0  # the morph epoch (basis) of the state
 
 
 async def fetch_verified(transport, peers: list[str], run: str, mhash: str, stage_index: int,
@@ -43,22 +44,35 @@ async def fetch_verified(transport, peers: list[str], run: str, mhash: str, stag
     the majority of them agree on (module docstring). ``module`` is this node's own stage: the
     names, dtypes and shapes every download is checked against."""
     got: list[tuple[int, dict, str]] = []
+    epochs: list[int] = []
     remaining = list(peers)
+    busy: StateSyncError | None = None
     while remaining and len(got) < max_sources:
         try:
-            version, tensors, src = await fetch_from_replicas(transport, remaining, run, mhash, stage_index,
-                                                              module, metrics, timeout=timeout)
-        except StateSyncError:
+            version, tensors, src, epoch = await fetch_from_replicas(transport, remaining, run, mhash, stage_index,
+                                                                     module, metrics, timeout=timeout)
+        except StateSyncError as e:
+            busy = e if e.busy else None
             break
         got.append((version, tensors, src))
+        epochs.append(epoch)
         remaining = remaining[remaining.index(src) + 1:]
     if not got:
-        raise StateSyncError("no online replica gave us the stage state")
+        raise busy or StateSyncError("no online replica gave us the stage state")
+    if len(set(epochs)) > 1:
+        # a morphing swarm: states of different epochs are in different bases and never agree;
+        # compare (and take) only those of the latest epoch, blaming no one for the others
+        latest = max(epochs)
+        log.info("stage %d state: replicas in morph epochs %s; comparing those in epoch %d", stage_index,
+                 sorted(set(epochs)), latest)
+        got = [g for g, e in zip(got, epochs) if e == latest]
+        epochs = [latest] * len(got)
+    epoch = epochs[0]
     if len(got) == 1:
         version, tensors, src = got[0]
         log.warning("only one replica (%s) gave us stage %d's state: taken unverified, nothing to compare it with",
                     src[-8:], stage_index)
-        return Verified(version, tensors, src, verified=False)
+        return Verified(version, tensors, src, verified=False, epoch=epoch)
     states = [tensors for _, tensors, _ in got]
     group = agreeing(states, tolerance)
     if not group:
@@ -78,4 +92,4 @@ async def fetch_verified(transport, peers: list[str], run: str, mhash: str, stag
                     norm_ratio(states[i], states[keep]))
     log.info("stage %d state from %s verified against %d replica(s) (distances %s)", stage_index, src[-8:],
              len(group) - 1, ", ".join(f"{d:.3f}" for p, d in distances.items() if p != src))
-    return Verified(version, tensors, src, verified=True, refused=refused, distances=distances)
+    return Verified(version, tensors, src, verified=True, refused=refused, distances=distances, epoch=epoch)

@@ -123,6 +123,13 @@ class NodeMetrics:
         r.register(_Connections(self))
         self._holepunch_source = None
         r.register(_HolePunch(self))
+        self.morph_epoch = Gauge("swarm_node_morph_epoch",
+                                 "Morph epoch (basis of this stage's boundaries) the stage is in; 0 without morphing",
+                                 registry=r)
+        self.morph_seconds = Gauge("swarm_node_morph_seconds",
+                                   "Wall time of this stage's last morph (fold of both sides, on the compute thread)",
+                                   registry=r)
+        self.morphs = Counter("swarm_node_morphs", "Morph epochs this stage entered by folding", registry=r)
         self.uptime_start = Gauge("swarm_node_start_time_seconds", "Unix time the node started", registry=r)
         self.uptime_start.set(time.time())
         self.set_state("starting")
@@ -261,7 +268,7 @@ class _ComputeBusy:
 class _Averaging:
     """Collector for the replica averager (AsyncMesh data axis); empty when averaging is off."""
 
-    OUTCOMES = ("started", "applied", "failed", "mismatched")
+    OUTCOMES = ("started", "applied", "failed", "mismatched", "epoch_discarded")
     SKIPS = ("skipped_alone", "skipped_busy")
 
     def __init__(self, metrics: NodeMetrics):

@@ -32,6 +32,9 @@ class RuntimeOptions:
     # health-ping one peer of each neighbour stage this often (seconds), for the round-trip metric
     # per neighbour stage (0: off; the daemon turns it on)
     ping_every: float = 0.0
+    # morph epochs: how long a fwd of the next epoch may find this stage without that epoch's seeds
+    # before it stops waiting for them and downloads the stage's state from a replica instead
+    seed_wait: float = 15.0
 
 
 @dataclass(eq=False)
@@ -49,6 +52,7 @@ class Context:
     next_peer: str | None = None
     sent_at: float = 0.0
     horizon_s: float | None = None  # the head's look-ahead horizon (seconds) this microbatch came with
+    epoch: int = 0  # the morph epoch (basis) of the forward; its gradient must be of the same one
 
     @property
     def tokens(self) -> int:

@@ -29,7 +29,7 @@ import torch
 from node.runtime.guard import Guard
 from node.runtime.options import Context, RuntimeOptions
 from node.runtime.sends import Sender, Skip
-from node.runtime.trainer import Trainer
+from node.runtime.trainer import EpochChanged, Trainer
 from node.runtime.worker import ComputeWorker, QueueFull, Tasks
 from protocol import Expect, ProtocolError, Reason, make_ack, make_reject, validate_bwd, validate_fwd
 from security import verdict_score
@@ -43,12 +43,13 @@ class Pipeline:
     def __init__(self, index: int, n_stages: int, peer_id: str, options: RuntimeOptions, *,
                  expect_fwd: Expect | None, expect_bwd: Expect | None, worker: ComputeWorker, trainer: Trainer,
                  guard: Guard, sender: Sender, router, metrics, tasks: Tasks, state: Callable[[], str],
-                 batches=None, rng: random.Random | None = None):
+                 morph, batches=None, rng: random.Random | None = None):
         self.index, self.peer_id, self.options = index, peer_id, options
         self.is_head, self.is_tail = index == 0, index == n_stages - 1
         self.expect_fwd, self.expect_bwd = expect_fwd, expect_bwd
         self.worker, self.trainer, self.guard, self.sender = worker, trainer, guard, sender
         self.router, self.metrics, self.tasks, self.state = router, metrics, tasks, state
+        self.morph = morph  # morph.MorphEpochs: this stage's epoch and its changes
         self.batches = batches  # the head's data shard
         self.rng = rng or random.Random()
         self.contexts: dict[int, Context] = {}
@@ -94,6 +95,12 @@ class Pipeline:
         state = self.state()
         if state != "online":
             return self._busy_reply(fwd.mb, f"node is {state}", retry_ms=1000)
+        if fwd.epoch != self.morph.epoch:
+            # another basis: the next epoch makes this stage enter it first; anything else is refused
+            refusal = await self.morph.admit(fwd.epoch, fwd.mb)
+            if refusal is not None:
+                self.metrics.served.labels(protocol="fwd", result=Reason.WRONG_EPOCH.value).inc()
+                return refusal
         if fwd.mb in self.pending or fwd.mb in self.contexts:
             return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd"))
         if self.worker.depth("fwd") + self.reserved >= self.options.queue_size:
@@ -124,21 +131,29 @@ class Pipeline:
         route = fwd.route + (self.peer_id,)
         try:
             result = await fut
+        except EpochChanged as e:  # this stage entered the next epoch while the fwd waited: never mixed
+            log.debug("%s", e)
+            self.pending.discard(fwd.mb)
+            self.metrics.microbatches.labels(outcome="dropped").inc()
+            await self.sender.send_bwd(fwd.mb, route, skip=Skip("morph-epoch", Reason.WRONG_EPOCH), epoch=fwd.epoch)
+            return
         except Exception as e:  # noqa: BLE001
             log.error("forward of mb %x failed: %r", fwd.mb, e)
             self.pending.discard(fwd.mb)
             self.metrics.microbatches.labels(outcome="failed").inc()
-            await self.sender.send_bwd(fwd.mb, route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]))
+            await self.sender.send_bwd(fwd.mb, route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]),
+                                       epoch=fwd.epoch)
             return
         self.pending.discard(fwd.mb)
         self.update_gauges()
         if self.is_tail:
             grad = result[0]
             self.metrics.microbatches.labels(outcome="done").inc()
-            await self.sender.send_bwd(fwd.mb, route, grad=grad)
+            await self.sender.send_bwd(fwd.mb, route, grad=grad, epoch=fwd.epoch)
             return
         code, x, ids, w, version = result
-        ctx = Context(fwd.mb, route, x, ids, fwd.ids.to(torch.int32), w, version, horizon_s=fwd.horizon_s)
+        ctx = Context(fwd.mb, route, x, ids, fwd.ids.to(torch.int32), w, version, horizon_s=fwd.horizon_s,
+                      epoch=fwd.epoch)
         self.contexts[fwd.mb] = ctx
         await self._forward(ctx, code)
 
@@ -159,7 +174,7 @@ class Pipeline:
             self.metrics.served.labels(protocol="bwd", result="stale").inc()
             if self.index > 0 and bwd.skip is None:
                 self.tasks.spawn(self.sender.send_bwd(bwd.mb, bwd.route[: self.index + 1],
-                                                      skip=Skip("stale", Reason.STALE, "no context")))
+                                                      skip=Skip("stale", Reason.STALE, "no context"), epoch=bwd.epoch))
             return make_reject(Reason.STALE, f"no in-flight microbatch {bwd.mb:x} here", mb=bwd.mb)
         if ctx.next_peer != peer:
             self.metrics.served.labels(protocol="bwd", result="bad-frame").inc()
@@ -177,6 +192,11 @@ class Pipeline:
             self.metrics.served.labels(protocol="bwd", result="banned").inc()
             self.drop(bwd.mb, Skip("sender-banned", Reason.BANNED))
             return make_reject(Reason.BANNED, "this peer is banned here", mb=bwd.mb)
+        if bwd.epoch != ctx.epoch:  # a gradient in another basis than the forward's: never mixed
+            self.metrics.served.labels(protocol="bwd", result=Reason.WRONG_EPOCH.value).inc()
+            self.drop(bwd.mb, Skip("morph-epoch", Reason.WRONG_EPOCH))
+            return make_reject(Reason.WRONG_EPOCH, f"gradient of morph epoch {bwd.epoch} for a microbatch forwarded "
+                                                   f"in epoch {ctx.epoch}", mb=bwd.mb, epoch=self.morph.epoch)
         self.guard.downstream_outcome(peer, False)  # a gradient came back: the next stage took its output
         verdict = await self.guard.verify(peer, "grad", bwd.grad, bwd.version, ctx.ids_wire, bwd.mb)
         if not verdict.accept:
@@ -198,17 +218,24 @@ class Pipeline:
     async def _after_bwd(self, fut: asyncio.Future, ctx: Context, bwd) -> None:
         try:
             gx = await fut
+        except EpochChanged as e:  # the stage entered the next epoch while the gradient waited
+            log.debug("%s", e)
+            self.pending.discard(ctx.mb)
+            self._finish(ctx, "dropped")
+            await self.sender.send_bwd(ctx.mb, bwd.route, skip=Skip("morph-epoch", Reason.WRONG_EPOCH), epoch=ctx.epoch)
+            return
         except Exception as e:  # noqa: BLE001
             log.error("backward of mb %x failed: %r", ctx.mb, e)
             self.pending.discard(ctx.mb)
             self._finish(ctx, "failed")
-            await self.sender.send_bwd(ctx.mb, bwd.route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]))
+            await self.sender.send_bwd(ctx.mb, bwd.route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]),
+                                       epoch=ctx.epoch)
             return
         self.pending.discard(ctx.mb)
         self.update_gauges()
         self._finish(ctx, "done")
         if self.index > 0:
-            await self.sender.send_bwd(ctx.mb, bwd.route, grad=gx)
+            await self.sender.send_bwd(ctx.mb, bwd.route, grad=gx, epoch=ctx.epoch)
 
     # ------------------------------------------------------------------ finishing and dropping
 
@@ -237,11 +264,12 @@ class Pipeline:
             with contextlib.suppress(RuntimeError):
                 self.worker.submit("ctl", self.trainer.dropped)
         if self.index > 0 and skip.reason is not None:
-            self.tasks.spawn(self.sender.send_bwd(mb, ctx.route, skip=skip))
+            self.tasks.spawn(self.sender.send_bwd(mb, ctx.route, skip=skip, epoch=ctx.epoch))
 
-    def drop_all(self, why: str) -> None:
+    def drop_all(self, why: str, reason: Reason | None = None) -> None:
+        """Drop every microbatch in flight here (``reason``: tell upstream to skip them)."""
         for mb in list(self.contexts):
-            self.drop(mb, Skip(why))
+            self.drop(mb, Skip(why, reason))
 
     def lose_next_hop(self, peer: str, sent_before: float | None = None) -> int:
         """Drop every microbatch sent to ``peer`` (before ``sent_before``, monotonic time, if given)
@@ -272,6 +300,8 @@ class Pipeline:
         while not self.stopping:
             if self.options.steps and self.trainer.version >= self.options.steps:
                 return
+            if self.morph.due() and not await self._enter_next_epoch():
+                continue
             ready = (
                 self.state() == "online"
                 and policy.may_inject(self.inflight)
@@ -290,9 +320,23 @@ class Pipeline:
             fut = self.worker.submit("fwd", self.trainer.compute_head, ids)
             self.tasks.spawn(self._after_head(fut, mb, ids))
 
+    async def _enter_next_epoch(self, drain_s: float = 10.0) -> bool:
+        """Head, at the version that begins the next morph epoch: stop injecting, let the microbatches
+        in flight come back (at most ``drain_s``; whatever is left is dropped by the fold), then
+        enter the epoch. False (after a short wait) while the seeds are not here yet."""
+        deadline = time.monotonic() + drain_s
+        while self.inflight and time.monotonic() < deadline and not self.stopping:
+            self.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), 0.1)
+        if await self.morph.enter(self.morph.epoch + 1):
+            return True
+        await asyncio.sleep(0.1)
+        return False
+
     async def _after_head(self, fut: asyncio.Future, mb: int, ids_cpu: torch.Tensor) -> None:
         try:
-            code, ids, w, version = await fut
+            code, ids, w, version, epoch = await fut
         except Exception as e:  # noqa: BLE001
             log.error("head forward failed: %r", e)
             self.pending.discard(mb)
@@ -300,7 +344,7 @@ class Pipeline:
             self.wake.set()
             return
         self.pending.discard(mb)
-        ctx = Context(mb, (self.peer_id,), None, ids, ids_cpu.to(torch.int32), w, version)
+        ctx = Context(mb, (self.peer_id,), None, ids, ids_cpu.to(torch.int32), w, version, epoch=epoch)
         if self.is_tail:
             self._finish(ctx, "done")
             return

@@ -38,11 +38,12 @@ class Sender:
     """Sends of one stage (``index``): ``fwd`` to the next stage, ``bwd`` to the previous one."""
 
     def __init__(self, index: int, run_id: str, mhash: str, options: RuntimeOptions, *, transport, router, metrics,
-                 guard: Guard, version: Callable[[], int], suspect: Callable[[str], None],
+                 guard: Guard, version: Callable[[], int], suspect: Callable[[str], None], morph,
                  attacks: dict | None = None):
         self.index, self.run_id, self.mhash, self.options = index, run_id, mhash, options
         self.transport, self.router, self.metrics, self.guard = transport, router, metrics, guard
         self.version, self.suspect = version, suspect
+        self.morph = morph  # morph.MorphEpochs: the epoch frames carry, and what a wrong-epoch reject means
         # security.attacks.Attack per direction ("act": what we send forward, "grad": back), applied
         # to what we send (verifier tests only, ``--attack``); one instance each, so stateful
         # attacks (delayed) never replay an activation as a gradient
@@ -58,7 +59,7 @@ class Sender:
             code = self.attacks["act"](code, self.version()).contiguous()
         extra = {} if horizon_s is None else {"horizon_s": round(float(horizon_s), 6)}
         frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version(), ctx.route, code,
-                          ctx.ids_wire, **extra)
+                          ctx.ids_wire, epoch=self.morph.frame_epoch(ctx.epoch), **extra)
         deadline = time.monotonic() + self.options.forward_deadline
         tried: set[str] = set()
         backoff = 0.02
@@ -93,6 +94,14 @@ class Sender:
                     # (and that it was our output, so upstream can stop routing work to a poisoner)
                     return Skip("rejected-downstream", Reason.REJECTED_BY_VERIFIER, e.detail, score=e.score,
                                 refused="own")
+                if e.reason == Reason.WRONG_EPOCH.value:
+                    if e.epoch is not None and e.epoch > ctx.epoch:
+                        # the next stage is in a later basis: this microbatch cannot go on; this
+                        # stage follows (the fold drops what it has in flight) or re-syncs
+                        self.morph.behind(e.epoch)
+                        return Skip("morph-epoch", Reason.WRONG_EPOCH, e.detail)
+                    tried.add(peer)  # that replica is behind and catching up: another one
+                    continue
                 log.warning("fwd mb %x rejected by %s: %s", ctx.mb, peer[-8:], e)
                 if e.reason == Reason.BANNED.value:
                     self.guard.note_banned()
@@ -123,7 +132,7 @@ class Sender:
         return None
 
     async def send_bwd(self, mb: int, route: tuple[str, ...], grad: torch.Tensor | None = None,
-                       skip: Skip | None = None) -> bool:
+                       skip: Skip | None = None, epoch: int | None = None) -> bool:
         """Gradient (or skip) to the stage before us on ``route``; a few retries on busy, then give up
         (upstream's TTL or probe frees its context)."""
         if self.index == 0 or len(route) < self.index:
@@ -134,9 +143,10 @@ class Sender:
         if skip is not None:
             frames = make_bwd(self.run_id, self.mhash, mb, self.index, self.version(), route, None,
                               skip=skip.reason, detail=skip.detail or skip.why, score=skip.score,
-                              refused=skip.refused)
+                              refused=skip.refused, epoch=self.morph.frame_epoch(epoch))
         else:
-            frames = make_bwd(self.run_id, self.mhash, mb, self.index, self.version(), route, grad)
+            frames = make_bwd(self.run_id, self.mhash, mb, self.index, self.version(), route, grad,
+                              epoch=self.morph.frame_epoch(epoch))
         for attempt in range(6):
             t0 = time.monotonic()
             try:

@@ -9,7 +9,8 @@ parts each do one job and get only what they need:
 - ``guard.Guard``: SENTINEL verdicts, bans, the downstream rule, re-sync while banned;
 - ``pipeline.Pipeline`` and ``sends.Sender``: fwd/bwd handlers, contexts, sends with retries,
   the head's driver;
-- ``liveness.Liveness``: context TTL, health probes, redial.
+- ``liveness.Liveness``: context TTL, health probes, redial;
+- ``morph.MorphEpochs``: the morph epoch, its seeds and when the stage enters the next one.
 
 How one microbatch travels through them is in README.md ("One microbatch") and docs/NODE.md.
 """
@@ -28,12 +29,13 @@ import torch
 from node.net import StateSyncError, Verified, fetch_from_replicas, fetch_verified, serve_state
 from node.runtime.guard import Guard
 from node.runtime.liveness import Liveness
+from node.runtime.morph import MorphEpochs, morph_every
 from node.runtime.options import RuntimeOptions, max_batch_for
 from node.runtime.pipeline import Pipeline
 from node.runtime.sends import Sender
 from node.runtime.trainer import Checkpointer, Trainer
 from node.runtime.worker import ComputeWorker, Tasks
-from protocol import BWD, FWD, HEALTH, STATE, Expect, Limits, make_health, validate_health_request
+from protocol import BWD, FWD, HEALTH, MORPH, STATE, Expect, Limits, Reason, make_health, validate_health_request
 from security import poison_state
 from stages import Manifest, manifest_hash
 
@@ -106,9 +108,14 @@ class StageRuntime:
                            tasks=self.tasks, resync=self.resync_from_replica)
         attacks = dict(attacks or {})
         self.state_attack = attacks.pop("state", None)  # testing a joiner's check only: serve poisoned weights
+        self.morph = MorphEpochs(morph_every(manifest), self.run_id, self.mhash, index, manifest.n_stages, peer_id,
+                                 options, transport=transport, router=router, metrics=metrics, worker=self.worker,
+                                 trainer=self.trainer, tasks=self.tasks, state=lambda: self.state,
+                                 drop_all=lambda why, reason: self.pipeline.drop_all(why, reason),
+                                 resync=self.resync_from_replica)
         self.sender = Sender(index, self.run_id, self.mhash, options, transport=transport, router=router,
                              metrics=metrics, guard=self.guard, version=lambda: self.trainer.version,
-                             suspect=lambda peer: self.liveness.suspect(peer), attacks=attacks)
+                             suspect=lambda peer: self.liveness.suspect(peer), morph=self.morph, attacks=attacks)
         k, seq_len, n = manifest.k, manifest.model.seq_len, manifest.n_stages
         self.pipeline = Pipeline(
             index, n, peer_id, options,
@@ -116,7 +123,7 @@ class StageRuntime:
             expect_bwd=(Expect.bwd(self.run_id, self.mhash, index, k, self.max_batch, seq_len, self_peer=peer_id)
                         if index < n - 1 else None),
             worker=self.worker, trainer=self.trainer, guard=self.guard, sender=self.sender, router=router,
-            metrics=metrics, tasks=self.tasks, state=lambda: self.state, batches=batches, rng=rng,
+            metrics=metrics, tasks=self.tasks, state=lambda: self.state, morph=self.morph, batches=batches, rng=rng,
         )
         self.liveness = Liveness(options, transport=transport, router=router, metrics=metrics, tasks=self.tasks,
                                  contexts=self.pipeline.contexts, drop=self.pipeline.drop,
@@ -171,16 +178,31 @@ class StageRuntime:
         await self.transport.serve(BWD, self.pipeline.on_bwd, limits=body_limit(self.pipeline.expect_bwd))
         await self.transport.serve(HEALTH, self._on_health, limits=small)
         state = functools.partial(serve_state, run=self.run_id, mhash=self.mhash, stage_index=self.index,
-                                  state=lambda: self.state, snapshot=self._snapshot, metrics=self.metrics)
+                                  state=lambda: self.state, snapshot=self._snapshot, metrics=self.metrics,
+                                  wait=self._state_wait)
         await self.transport.serve_stream(STATE, state, limits=small)
+        if self.morph.enabled:
+            seed_limits = Limits(max_body_bytes=64, max_tensors=1)
+            await self.transport.serve(MORPH, self.morph.on_seed, limits=seed_limits)
         self.metrics.version.set(self.version)
+        self.metrics.morph_epoch.set(self.morph.epoch)
 
-    async def _snapshot(self) -> tuple[int, dict]:
-        """What state sync serves: the trainer's snapshot (poisoned by a ``state-*`` test attack)."""
-        version, tensors = await self.worker.submit("ctl", self.trainer.snapshot)
+    async def _snapshot(self) -> tuple[int, dict, int | None]:
+        """What state sync serves: the trainer's snapshot and its morph epoch (None with morphing
+        off), poisoned by a ``state-*`` test attack."""
+        version, tensors, epoch = await self.worker.submit("ctl", self.trainer.snapshot)
         if self.state_attack:
             tensors = poison_state(self.state_attack, tensors, seed=version)
-        return version, tensors
+        return version, tensors, self.morph.frame_epoch(epoch)
+
+    def _state_wait(self, peer: str) -> str | None:
+        """Why ``peer`` must wait for our state: with morphing on, a peer gets it only after this node
+        has seen it for two epoch changes (docs/PROTOCOL.md, "Morph epochs")."""
+        wait = self.morph.settle_wait(peer)
+        if not wait:
+            return None
+        return (f"morph: state goes to a peer two epochs after it appeared; {wait} more epoch(s) "
+                f"(this stage is in epoch {self.morph.epoch})")
 
     def abandon(self) -> None:
         """Stop starting anything new (no more injections, sends, probes or re-syncs): the node
@@ -236,13 +258,20 @@ class StageRuntime:
             got = await fetch_verified(self.transport, peers, self.run_id, self.mhash, self.index, self.stage,
                                        self.metrics, timeout=timeout)
         else:
-            version, tensors, src = await fetch_from_replicas(self.transport, peers, self.run_id, self.mhash,
-                                                              self.index, self.stage, self.metrics, timeout=timeout)
-            got = Verified(version, tensors, src, verified=False)
+            version, tensors, src, epoch = await fetch_from_replicas(self.transport, peers, self.run_id, self.mhash,
+                                                                     self.index, self.stage, self.metrics,
+                                                                     timeout=timeout)
+            got = Verified(version, tensors, src, verified=False, epoch=epoch)
         for peer in got.refused:
             self.router.ban(peer, self.options.state_ban_seconds, "poisoned-state")
             self.metrics.bans.labels(cause="poisoned-state").inc()
-        await self.worker.submit("ctl", self.trainer.adopt_state, got.version, got.tensors)
+        before = self.morph.epoch
+        await self.worker.submit("ctl", self.trainer.adopt_state, got.version, got.tensors, got.epoch)
+        if self.morph.enabled:
+            self.morph.adopted(got.epoch)
+            if got.epoch != before:
+                # what was in flight here is in the old basis
+                self.pipeline.drop_all("morph-epoch", Reason.WRONG_EPOCH)
         return got
 
     async def resync_from_replica(self) -> bool:
@@ -271,6 +300,9 @@ class StageRuntime:
         }
         if self.trainer.pipeline_horizon:
             out["lookahead_horizon"] = round(self.trainer.lookahead.extrapolation, 2)
+        if self.morph.enabled:
+            out["morph_epoch"] = self.morph.epoch
+            out["morph_seconds"] = round(self.morph.last_cost_s, 4)
         rtts = sorted(self.pipeline.rtts)
         if rtts:
             out["mb_rtt_p50_ms"] = round(1000 * rtts[len(rtts) // 2], 2)
@@ -289,8 +321,9 @@ class StageRuntime:
         return make_health(self.status())
 
     def sweep(self) -> None:
-        """One maintenance beat: context TTLs and probes, then the gauges and the status cache."""
+        """One maintenance beat: context TTLs and probes, morph seeds, then the gauges and the status cache."""
         self.liveness.sweep()
+        self.morph.sweep()
         self.metrics.tokens_per_s.set(self.tokens_per_s())
         self.metrics.capacity.set(self.capacity_tokens_per_s())
         self.metrics.banned_peers.set(len(self.router.banned()))

@@ -45,6 +45,11 @@ from stages import (
 
 log = logging.getLogger("swarm_node.runtime")
 
+
+class EpochChanged(Exception):
+    """A compute job's microbatch belongs to another morph epoch than the stage is in now (a fold
+    ran between the frame's check and its compute): the microbatch is dropped, never mixed."""
+
 # a checkpoint callback: (step, tensors, meta), called on the worker thread after a step
 Checkpointer = Callable[[int, dict, dict], None]
 
@@ -89,6 +94,15 @@ class Trainer:
         self.loss_ema: float | None = None
         self.last_loss: float | None = None
         self.loss_history: list[tuple[int, float]] = []
+        # morph epochs (docs/MORPH.md): the epoch this stage's weights are in, changed only by
+        # ``fold`` and ``adopt_state`` on the worker; the float64 master copy the folds run on
+        self.morph = manifest.morph if manifest.morph.enabled else None
+        self.epoch = 0
+        self.master = None
+        if self.morph is not None:
+            from stages import MorphMaster
+
+            self.master = MorphMaster(stage)
 
     @property
     def version(self) -> int:
@@ -104,19 +118,20 @@ class Trainer:
         t0 = time.perf_counter()
         ids = ids_cpu.to(self.device, torch.int64)
         w = self.lookahead.weights()
-        version = self.lookahead.version
+        version, epoch = self.lookahead.version, self.epoch
         if self.is_tail:  # a one-stage run: the head is the tail
             with self._autocast():
                 out = self.lookahead.backward(w, (None, ids), loss_fn=lambda logits: lm_loss(logits, ids))
             self._after_backward(out.delay, ids.numel(), loss=float(out.loss))
-            return None, ids, w, version
+            return None, ids, w, version, epoch
         with self._autocast():
             code = self.lookahead.forward(w, None, ids)
         self.metrics.compute_seconds.labels(kind="fwd").observe(time.perf_counter() - t0)
-        return code.detach().to("cpu", torch.float32), ids, w, version
+        return code.detach().to("cpu", torch.float32), ids, w, version, epoch
 
     def compute_fwd(self, fwd):
         """Worker: body forward (store input) or tail forward+backward+step."""
+        self._check_epoch(fwd.epoch, fwd.mb)
         t0 = time.perf_counter()
         x = fwd.c.to(self.device, torch.float32)
         ids = fwd.ids.to(self.device, torch.int64)
@@ -139,6 +154,7 @@ class Trainer:
 
     def compute_bwd(self, ctx: Context, grad: torch.Tensor):
         """Worker: recompute the forward with the stored weights, backpropagate, maybe step."""
+        self._check_epoch(ctx.epoch, ctx.mb)
         t0 = time.perf_counter()
         g = grad.to(self.device, torch.float32)
         with self._autocast():
@@ -147,6 +163,32 @@ class Trainer:
         self.metrics.compute_seconds.labels(kind="bwd").observe(time.perf_counter() - t0)
         gx = out.input_grads[0]
         return None if gx is None else gx.detach().to("cpu", torch.float32)
+
+    def _check_epoch(self, epoch: int, mb: int) -> None:
+        if epoch != self.epoch:
+            raise EpochChanged(f"microbatch {mb:x} is of morph epoch {epoch}, this stage is in epoch {self.epoch}")
+
+    def fold(self, epoch: int, seed_in: bytes | None, seed_out: bytes | None) -> None:
+        """Worker: enter morph epoch ``epoch``: fold the transform of the input boundary (drawn from
+        ``seed_in``; None at the head) and of the output boundary (``seed_out``; None at the tail)
+        into this stage and its optimizer state (``stages.morph``, on the float64 master copy).
+        Gradients accumulated but not yet stepped on belong to the old basis: dropped. The
+        look-ahead weights are recomputed for the next forward."""
+        from stages import fold_input, fold_output, morph_width, transform_from_seed
+
+        if epoch != self.epoch + 1:
+            raise ValueError(f"fold to epoch {epoch} from epoch {self.epoch}: epochs are entered one at a time")
+        k, kind, eps = morph_width(self.stage), self.morph.kind, self.morph.epsilon
+        if self.grads_accumulated:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.grads_accumulated = 0
+        if seed_in is not None:
+            fold_input(self.stage, transform_from_seed(seed_in, k, kind, epsilon=eps), optimizer=self.optimizer,
+                       master=self.master)
+        if seed_out is not None:
+            fold_output(self.stage, transform_from_seed(seed_out, k, kind, epsilon=eps))
+        self.epoch = epoch
+        self.lookahead.invalidate()
 
     def dropped(self) -> None:
         """Worker: a microbatch will never bring a gradient; the step policy counts it (GPipe flush)."""
@@ -279,7 +321,7 @@ class Trainer:
             "kind": "node", "stage": self.index, "version": self.lookahead.version,
             "run_id": self.manifest.run.id, "manifest_hash": manifest_hash(self.manifest),
             "manifest": consensus_dict(self.manifest), "optim": ometa, "data_step": self.data_step(),
-            "peer_id": self.peer_id,
+            "peer_id": self.peer_id, "morph_epoch": self.epoch,
         }
         return tensors, meta
 
@@ -288,17 +330,33 @@ class Trainer:
         restore_module(self.stage, tensors)
         restore_optimizer(self.optimizer, tensors, meta["optim"])
         self.set_version(int(meta["version"]))
+        self.epoch = int(meta.get("morph_epoch", 0))
+        if self.morph is not None:
+            from stages import MorphMaster
 
-    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """Worker: the current version and CPU copies of the stage's parameters (what state sync serves)."""
+            self.master = MorphMaster(self.stage)
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor], int]:
+        """Worker: the current version, CPU copies of the stage's parameters (and morph basis maps)
+        and the morph epoch they are in: what state sync serves, taken in one job."""
         with torch.no_grad():
             tensors = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in parameters_of(self.stage).items()}
-        return self.lookahead.version, tensors
+        return self.lookahead.version, tensors, self.epoch
 
-    def adopt_state(self, version: int, tensors: dict) -> None:
-        """Worker: take a replica's weights and version (optimizer moments are kept)."""
+    def adopt_state(self, version: int, tensors: dict, epoch: int = 0) -> None:
+        """Worker: take a replica's weights, version and morph epoch (optimizer moments are kept;
+        with morphing they are in the old basis, so they are cleared, like the master copy)."""
         copy_state(self.stage, tensors)
         self.set_version(version)
+        if self.morph is not None:
+            from stages import MorphMaster
+
+            if epoch != self.epoch:
+                self.optimizer.state.clear()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.grads_accumulated = 0
+            self.epoch = epoch
+            self.master = MorphMaster(self.stage)
         self.lookahead.invalidate()
 
     def set_version(self, version: int) -> None:

@@ -91,7 +91,7 @@ class MemTransport:
             if reply.header["reason"] == "busy":
                 raise PeerBusy(reply.header.get("detail", ""))
             rejected = parse_reply(reply)
-            raise PeerRejected(rejected.reason_code, rejected.detail, score=rejected.score)
+            raise PeerRejected(rejected.reason_code, rejected.detail, score=rejected.score, epoch=rejected.epoch)
         return reply
 
     async def request_stream(self, peer, protocol_id, header, tensors=(), *, timeout):
