@@ -14,7 +14,6 @@ import torch
 
 from node.net import PeerRejected, StateSyncError
 from protocol import BWD, FWD, MORPH, Reason, make_bwd, make_fwd
-from tests.helpers.memnet import MemTransport
 from tests.helpers.runtime import (
     Net,
     Rec,
