@@ -224,6 +224,21 @@ def rows() -> list[tuple[str, list]]:
             timeseries_panel("Averaging bytes", "Bps",
                              q("sum by (direction) (rate(swarm_node_averaging_bytes_total[1m]))", "{{direction}}")),
         ]),
+        ("Morph epochs", [
+            timeseries_panel("Morph epoch (per node)", "none", q("swarm_node_morph_epoch", "{{instance}}"),
+                             description="The basis epoch each stage is in (docs/MORPH.md). All nodes climb "
+                                         "together, one epoch every morph.every head steps; a node that "
+                                         "stays behind has missed a seed and re-downloads its stage's state."),
+            timeseries_panel("Last morph cost (per node)", "s", q("swarm_node_morph_seconds", "{{instance}}"),
+                             description="Wall time of the node's last fold (both sides, float64 master copy, "
+                                         "on the compute thread: microbatches wait behind it)."),
+            timeseries_panel("Morphs and epoch refusals", "short",
+                             q("sum(increase(swarm_node_morphs_total[5m]))", "morphs"),
+                             q("sum by (protocol) (increase(swarm_node_served_total{result=\"wrong-epoch\"}[5m]))",
+                               "refused {{protocol}} (wrong epoch)"),
+                             description="Frames of another epoch are refused, never mixed; a few per epoch "
+                                         "change are normal with several replicas per stage."),
+        ]),
         ("Resources", [
             timeseries_panel("Resident memory", "bytes", q("swarm_node_process_resident_memory_bytes", "{{instance}}")),
             timeseries_panel("CPU seconds per second", "short",
