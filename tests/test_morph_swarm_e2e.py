@@ -56,7 +56,9 @@ def test_three_stage_swarm_trains_across_five_morph_epochs_as_without(tmp_path):
     served = [metric_sum(m, "swarm_node_served_total", protocol="morph", result="ack") for m in metrics]
     assert served[0] == 0 and served[1] >= 5 and served[2] >= 5, served
     plain, _, _ = train(tmp_path, 0)
-    assert losses.get(10, 0) > 5.0 and plain.get(10, 0) > 5.0  # a fresh byte-level model: about ln 256
+    curves = f"morph {sorted(losses.items())}, plain {sorted(plain.items())}"
+    print(curves)
+    assert losses[1] > 5.0 and plain[1] > 5.0, curves  # a fresh byte-level model: about ln 256 = 5.55
     end = [sum(d[s] for s in (100, 110, 120)) / 3 for d in (losses, plain)]
-    assert end[0] < losses[10] - 1.0, (losses, plain)
-    assert abs(end[0] - end[1]) < 0.3, (end, losses, plain)
+    assert end[0] < losses[1] - 1.5, curves
+    assert abs(end[0] - end[1]) < 0.3, (end, curves)

@@ -184,11 +184,11 @@ class MorphEpochs:
             self._dealt.get(key, set()).add(peer)
         except PeerRejected as e:
             self.metrics.request("morph", e.reason, peer)
-            if e.reason == Reason.WRONG_EPOCH.value and e.epoch is not None and e.epoch < e1 - 1:
+            if e.reason == Reason.WRONG_EPOCH.value and (e.epoch is None or e.epoch < e1):
                 # it has not entered our epoch yet (its first microbatch of it is on the way): again later
-                log.debug("morph: %s is in epoch %d: seed for epoch %d later", peer[-8:], e.epoch, e1)
+                log.debug("morph: %s is in epoch %s: seed for epoch %d later", peer[-8:], e.epoch, e1)
                 return
-            # it needs no seed (ahead), or does not take seeds from us: pushing again would not help
+            # it is past that epoch already, or refuses the frame itself: pushing again would not help
             self._dealt.get(key, set()).add(peer)
             log.info("morph: %s refused the seed of boundary %d for epoch %d: %s", peer[-8:], b, e1, e.reason)
         except (PeerBusy, PeerUnreachable, asyncio.TimeoutError, ConnectionError, OSError) as e:
@@ -206,9 +206,11 @@ class MorphEpochs:
         s = validate_morph_seed(frame, self.run_id, self.mhash, self.index)
         p = self.router.peers.get(peer)
         if p is None or p.stage != s.boundary or p.state != "online" or self.router.is_banned(peer):
-            self.metrics.served.labels(protocol="morph", result=Reason.WRONG_EPOCH.value).inc()
-            return make_reject(Reason.WRONG_EPOCH, f"this node takes seeds of boundary {s.boundary} only from online "
-                                                   f"replicas of stage {s.boundary}", epoch=self.epoch)
+            # not (yet) an online replica of that stage in our view of the swarm: it may have just
+            # come online (the DHT catches up within an announce period), so: ask again later
+            self.metrics.served.labels(protocol="morph", result=Reason.BUSY.value).inc()
+            return make_reject(Reason.BUSY, f"this node takes seeds of boundary {s.boundary} only from replicas of "
+                                            f"stage {s.boundary} it sees online", retry_ms=1000)
         if s.epoch != self.epoch + 1:
             self.metrics.served.labels(protocol="morph", result=Reason.WRONG_EPOCH.value).inc()
             return make_reject(Reason.WRONG_EPOCH, f"seed for epoch {s.epoch}; this node is in epoch {self.epoch} "
@@ -307,5 +309,5 @@ class MorphEpochs:
         if (self._resync_task is None or self._resync_task.done()) and now - self._last_resync > self.options.seed_wait:
             self._last_resync = now
             log.warning("morph: a neighbour is in epoch %d, this stage in %d without the seeds to follow: "
-                        "downloading the stage's state again", epoch, self.epoch)
+                        "downloading the stage's state again", epoch, self.epoch)  # (from a replica, if any)
             self._resync_task = self.tasks.spawn(self.resync())

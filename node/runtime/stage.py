@@ -112,7 +112,7 @@ class StageRuntime:
                                  options, transport=transport, router=router, metrics=metrics, worker=self.worker,
                                  trainer=self.trainer, tasks=self.tasks, state=lambda: self.state,
                                  drop_all=lambda why, reason: self.pipeline.drop_all(why, reason),
-                                 resync=self.resync_from_replica)
+                                 resync=self._morph_resync)
         self.sender = Sender(index, self.run_id, self.mhash, options, transport=transport, router=router,
                              metrics=metrics, guard=self.guard, version=lambda: self.trainer.version,
                              suspect=lambda peer: self.liveness.suspect(peer), morph=self.morph, attacks=attacks)
@@ -285,6 +285,20 @@ class StageRuntime:
             return False
         log.info("re-synced stage %d weights from %s after a ban (version %d -> %d)", self.index, got.source[-8:],
                  before, got.version)
+        return True
+
+    async def _morph_resync(self) -> bool:
+        """This stage fell behind the swarm's morph epoch (a seed missed): take an online replica's
+        state, which is in the current basis; False when no replica gave it (then it waits)."""
+        before = self.morph.epoch
+        try:
+            got = await self.sync_from_replicas()
+        except StateSyncError as e:
+            log.warning("morph: stage %d is behind (epoch %d) and could not re-download its state: %s", self.index,
+                        before, e)
+            return False
+        log.info("morph: re-synced stage %d from %s: epoch %d -> %d, version %d", self.index, got.source[-8:],
+                 before, got.epoch, got.version)
         return True
 
     # ------------------------------------------------------------------ status and maintenance

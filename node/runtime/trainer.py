@@ -96,13 +96,11 @@ class Trainer:
         self.loss_history: list[tuple[int, float]] = []
         # morph epochs (docs/MORPH.md): the epoch this stage's weights are in, changed only by
         # ``fold`` and ``adopt_state`` on the worker; the float64 master copy the folds run on
+        # (only a stage with an input side turns its weights: the head keeps none)
         self.morph = manifest.morph if manifest.morph.enabled else None
         self.epoch = 0
         self.master = None
-        if self.morph is not None:
-            from stages import MorphMaster
-
-            self.master = MorphMaster(stage)
+        self._new_master()
 
     @property
     def version(self) -> int:
@@ -163,6 +161,12 @@ class Trainer:
         self.metrics.compute_seconds.labels(kind="bwd").observe(time.perf_counter() - t0)
         gx = out.input_grads[0]
         return None if gx is None else gx.detach().to("cpu", torch.float32)
+
+    def _new_master(self) -> None:
+        if self.morph is not None and not self.is_head:
+            from stages import MorphMaster
+
+            self.master = MorphMaster(self.stage)
 
     def _check_epoch(self, epoch: int, mb: int) -> None:
         if epoch != self.epoch:
@@ -331,10 +335,7 @@ class Trainer:
         restore_optimizer(self.optimizer, tensors, meta["optim"])
         self.set_version(int(meta["version"]))
         self.epoch = int(meta.get("morph_epoch", 0))
-        if self.morph is not None:
-            from stages import MorphMaster
-
-            self.master = MorphMaster(self.stage)
+        self._new_master()
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor], int]:
         """Worker: the current version, CPU copies of the stage's parameters (and morph basis maps)
@@ -349,14 +350,12 @@ class Trainer:
         copy_state(self.stage, tensors)
         self.set_version(version)
         if self.morph is not None:
-            from stages import MorphMaster
-
             if epoch != self.epoch:
                 self.optimizer.state.clear()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.grads_accumulated = 0
             self.epoch = epoch
-            self.master = MorphMaster(self.stage)
+            self._new_master()
         self.lookahead.invalidate()
 
     def set_version(self, version: int) -> None:
