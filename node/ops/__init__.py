@@ -32,6 +32,8 @@ _EXPORTS = {
     "set_parent_death_signal": "node.ops.procs",
     "resolve_device": "node.ops.resources",
     "restore_module": "node.ops.checkpoint",
+    "list_checkpoints": "node.ops.checkpoint",
+    "read_checkpoint": "node.ops.checkpoint",
     "restore_optimizer": "node.ops.checkpoint",
     "save_checkpoint": "node.ops.checkpoint",
     "train": "node.ops.train_local",
