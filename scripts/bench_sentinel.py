@@ -31,11 +31,13 @@ last of which joins with ``--attack`` = the strongest attack: when its neighbour
 share of the stage's microbatches it served after the ban, whether any honest peer was banned,
 and the tail's steps and loss. Parts 1 and 2 simulate in one process; this one measures the node.
 
-Part 4, clean (``--part clean``, not in ``all``): a real loopback swarm with no attacker —
-bootstrap, head, ``--clean-replicas`` honest body replicas, tail, SENTINEL as ``--real-manifest``
-ships it — trained to ``--clean-steps`` tail steps, once per ``--clean-horizons`` value of
-``asyncmesh.lookahead_horizon``. Every rejection is a false positive and every ban a false ban:
-``clean_run`` reports them per node (with the distances that rejected) and over the swarm. Real
+Part 4, clean (``--part clean``, not in ``all``): ``--clean-runs`` (default 5) real loopback swarms
+with no attacker, one after the other — bootstrap, head, ``--clean-replicas`` honest body
+replicas, tail, SENTINEL and averaging as ``--real-manifest`` ships them — each trained to
+``--clean-steps`` tail steps. Every rejection is a false positive and every ban a false ban:
+``clean_run`` reports them per run (false-positive rate, bans, averaging rounds applied), per
+node (with the distances that rejected) and over the runs (the worst run's rate, runs with a
+ban). ``--clean-horizons`` instead runs once per listed ``asyncmesh.lookahead_horizon``. Real
 replicas differ (own data, own progress, averaging only a slice), which part 1's shared-weight
 replicas cannot show.
 
@@ -119,10 +121,13 @@ def parse_args(argv=None):
     ap.add_argument("--real-workdir", default="", help="keep part 3's logs here (default: a temp dir)")
     ap.add_argument("--clean-replicas", type=int, default=2,
                     help="--part clean: honest middle-stage replicas of a real swarm with no attacker")
-    ap.add_argument("--clean-steps", type=int, default=300, help="--part clean: tail steps per run")
+    ap.add_argument("--clean-steps", type=int, default=200,
+                    help="--part clean: tail steps per run (200: five runs in ~40 min on a loaded 2-core box)")
+    ap.add_argument("--clean-runs", type=int, default=5,
+                    help="--part clean: real clean swarms, one after the other (keys run1, run2, ...)")
     ap.add_argument("--clean-horizons", default="",
-                    help="--part clean: comma list of asyncmesh.lookahead_horizon values, one run each, "
-                    "a repeated value another run (keys pipeline, pipeline#2, ...; default: the manifest's own)")
+                    help="--part clean: instead of --clean-runs, one run per asyncmesh.lookahead_horizon value of this "
+                    "comma list, a repeated value another run (keys pipeline, pipeline#2, ...)")
     ap.add_argument("--clean-node-args", default="",
                     help="--part clean: extra arguments for every node (e.g. '--no-averaging'), to find what "
                     "a false positive depends on")
@@ -138,6 +143,8 @@ def parse_args(argv=None):
         args.val_steps, args.val_batches, args.val_batch_size, args.no_variants = 60, 2, 4, True
     if args.quick and args.part == "all":
         args.part = "both"
+    if args.clean_runs < 1:
+        ap.error("--clean-runs must be at least 1")
     if args.real_replicas < 2:
         ap.error("--real-replicas must be at least 2 (one honest, one malicious)")
     if args.malicious < 1 or args.malicious >= args.replicas / 2:
@@ -557,7 +564,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     every rejection is a false positive and every ban a false ban."""
     import tempfile
 
-    from node.ops import LocalSwarm, write_manifest
+    from node.ops import LocalSwarm, metric_sum, write_manifest
 
     m = load_manifest(args.real_manifest)
     if horizon:
@@ -590,6 +597,8 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
         exit_codes = sw.close()
     out = clean_summary(metrics)
     out["body_steps"] = [metrics[b.name].get("swarm_node_steps_total") for b in bodies]
+    out["averaging_rounds_applied"] = [int(metric_sum(metrics[b.name], "swarm_node_averaging_rounds_total",
+                                                      outcome="applied")) for b in bodies]
     out["body_step_gap_max"] = gap_max
     out["loss_ema"] = metrics["tail"].get("swarm_node_loss_ema")
     out["settings"] = {"manifest": args.real_manifest, "lookahead_horizon": m.asyncmesh.lookahead_horizon,
@@ -612,14 +621,19 @@ def main(argv=None) -> int:
     real = real_run(args) if args.part in ("all", "real") else None
     clean = None
     if args.part == "clean":
-        horizons = [h for h in args.clean_horizons.split(",") if h] or [None]
-        shipped = load_manifest(args.real_manifest).asyncmesh.lookahead_horizon
-        clean, runs = {}, collections.Counter()
-        for h in horizons:  # a horizon named again is another run: keys "pipeline", "pipeline#2", ...
-            key = h or shipped
-            runs[key] += 1
-            n = runs[key]
-            clean[key if n == 1 else f"{key}#{n}"] = clean_run(args, h, "" if n == 1 else f"-{n}")
+        clean = {}
+        if args.clean_horizons:
+            runs = collections.Counter()
+            for h in [h for h in args.clean_horizons.split(",") if h]:
+                key = h  # a horizon named again is another run: keys "pipeline", "pipeline#2", ...
+                runs[key] += 1
+                n = runs[key]
+                clean[key if n == 1 else f"{key}#{n}"] = clean_run(args, h, "" if n == 1 else f"-{n}")
+        else:
+            for n in range(1, args.clean_runs + 1):
+                clean[f"run{n}"] = clean_run(args, None, f"-run{n}")
+                print(f"bench_sentinel clean: run {n} of {args.clean_runs}: fpr {clean[f'run{n}']['fpr']}, "
+                      f"bans {clean[f'run{n}']['false_bans']}", file=sys.stderr, flush=True)
     result = {
         "attacks": det.pop("attacks") if det else None,
         "fpr": det.pop("fpr") if det else None,
@@ -648,6 +662,21 @@ def main(argv=None) -> int:
         result["targets_met"]["real_run_banned_no_honest"] = (
             real["time_to_ban_s"] is not None and real["honest_banned"] == 0
             and real["malicious_share_after_ban"] == 0.0)
+    if clean:
+        fprs = [r["fpr"] for r in clean.values()]
+        result["clean_summary"] = {
+            "runs": len(clean), "fpr_per_run": fprs, "false_bans_per_run": [r["false_bans"] for r in clean.values()],
+            "fpr_max": max(f for f in fprs if f is not None) if any(f is not None for f in fprs) else None,
+            "fpr_pooled": round(sum(r["rejected"] for r in clean.values())
+                                / max(1, sum(r["judged"] for r in clean.values())), 5),
+            "runs_with_a_ban": sum(1 for r in clean.values() if r["false_bans"]),
+            "averaging_rounds_applied_per_run": [r["averaging_rounds_applied"] for r in clean.values()],
+        }
+        result["targets_met"].update({
+            "clean_fpr<=0.005_every_run": all(f is not None and f <= 0.005 for f in fprs),
+            "clean_no_honest_ban": result["clean_summary"]["runs_with_a_ban"] == 0,
+            "clean_averaging_on": all(min(r["averaging_rounds_applied"], default=0) > 0 for r in clean.values()),
+        })
     result["part"] = args.part
     print(json.dumps(result, indent=1))
     return 0

@@ -27,20 +27,27 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _Peer:
-    recent: deque = field(default_factory=deque)
+    recent: deque = field(default_factory=deque)  # what each of the last ``memory`` records weighs
+    flags: deque = field(default_factory=deque)  # whether each of them was a flag
     until: float = 0.0  # banned while now < until
     strikes: int = 0  # bans so far (drives the backoff)
     reason: str = ""
+    flag_version: object = None  # the sender version of its latest flag (``record(..., version=)``)
+    version_weight: float = 0.0  # the largest weight counted for that version so far
+    version_flags: int = 0  # flags of that version so far
 
 
 class BanList:
     def __init__(self, flags_to_ban: int = 3, memory: int = 20, base_s: float = 60.0,
-                 factor: float = 2.0, max_s: float = 3600.0, decay_s: float | None = None):
+                 factor: float = 2.0, max_s: float = 3600.0, decay_s: float | None = None,
+                 version_cap: int = 4):
         if flags_to_ban <= 0 or memory < flags_to_ban:
             raise ValueError(f"bans: need 0 < flags_to_ban <= memory, got {flags_to_ban}, {memory}")
         if base_s <= 0 or factor < 1 or max_s < base_s:
             raise ValueError("bans: need base_s > 0, factor >= 1, max_s >= base_s")
-        self.flags_to_ban, self.memory = flags_to_ban, memory
+        if version_cap < 1:
+            raise ValueError(f"bans: version_cap must be >= 1, got {version_cap}")
+        self.flags_to_ban, self.memory, self.version_cap = flags_to_ban, memory, version_cap
         self.base_s, self.factor, self.max_s = base_s, factor, max_s
         self.decay_s = max_s if decay_s is None else decay_s
         self._peers: dict[str, _Peer] = {}
@@ -48,13 +55,25 @@ class BanList:
     def _peer(self, peer: str) -> _Peer:
         p = self._peers.get(peer)
         if p is None:
-            p = self._peers[peer] = _Peer(recent=deque(maxlen=self.memory))
+            p = self._peers[peer] = _Peer(recent=deque(maxlen=self.memory), flags=deque(maxlen=self.memory))
         return p
 
-    def record(self, peer: str, flagged: bool, now: float, reason: str = "", weight: float = 1.0) -> bool:
+    def record(self, peer: str, flagged: bool, now: float, reason: str = "", weight: float = 1.0,
+               version: object = None) -> bool:
         """Note one verdict/outcome for ``peer``; True if this record got it banned. A flag
         counts ``weight`` (in (0, 1], see ``flag_weight``); the peer is banned when the weights
-        of its last ``memory`` records sum to ``flags_to_ban``."""
+        of its last ``memory`` records sum to ``flags_to_ban``.
+
+        ``version``: the sender's optimizer version the tensor came with. Marginal flags (weight
+        < 1: a score under ``1 + ban_margin``) of tensors of one version are one piece of
+        evidence, not several: they were computed with the same weights, and a replica whose
+        tensors are refused gets no gradient back, so it does not step and sends its next
+        microbatches at the same version, all flagged alike (clean real swarms: three to ten
+        marginal flags of one version within seconds, which banned honest replicas). So the
+        marginal flags of one version count their largest weight once, for up to
+        ``version_cap`` flags; beyond that each counts in full (a sender cannot hold its version
+        still to stay unbanned). A clear flag (weight 1) always counts in full: a poisoner whose
+        every tensor is refused never steps either, and is banned as fast as before."""
         if flagged and not 0.0 < weight <= 1.0:
             raise ValueError(f"bans: a flag's weight must be in (0, 1], got {weight}")
         p = self._peer(peer)
@@ -62,7 +81,14 @@ class BanList:
             return False  # already banned; its traffic should not reach us
         if p.strikes and p.until and now - p.until > self.decay_s:
             p.strikes = 0
+        if flagged and version is not None and weight < 1.0:
+            if version == p.flag_version and p.version_flags < self.version_cap:
+                p.version_flags += 1
+                weight, p.version_weight = max(0.0, weight - p.version_weight), max(p.version_weight, weight)
+            elif version != p.flag_version:
+                p.flag_version, p.version_weight, p.version_flags = version, weight, 1
         p.recent.append(float(weight) if flagged else 0.0)
+        p.flags.append(bool(flagged))
         if flagged and sum(p.recent) >= self.flags_to_ban - 1e-9:
             self.ban(peer, now, reason)
             return True
@@ -76,6 +102,8 @@ class BanList:
         p.until = now + duration
         p.reason = reason
         p.recent.clear()
+        p.flags.clear()
+        p.flag_version, p.version_weight, p.version_flags = None, 0.0, 0
         return p.until
 
     def is_banned(self, peer: str, now: float) -> bool:
@@ -97,7 +125,7 @@ class BanList:
     def flag_rate(self, peer: str) -> float:
         """Fraction of ``peer``'s remembered verdicts that were flags (0 when none)."""
         p = self._peers.get(peer)
-        return sum(1 for w in p.recent if w > 0) / len(p.recent) if p is not None and p.recent else 0.0
+        return sum(p.flags) / len(p.flags) if p is not None and p.flags else 0.0
 
     def spare(self, peer: str, now: float) -> None:
         """End ``peer``'s ban now but keep its strike count, so a repeat ban backs off further.

@@ -624,7 +624,7 @@ class Sentinel:
                     if alt_score <= 1.0 and alt_score < score:
                         score, worst, d, basis = alt_score, alt_worst, alt, "partner"
         accept = score <= 1.0
-        if not accept and self._shifted(state) and score <= p.shift_reach:
+        if not accept and self._shifted(state, sender) and score <= p.shift_reach:
             # most recent tensors leave the fences: the stage's honest distribution has moved
             # (see _learn); a moderate deviation is accepted and followed, not held against anyone
             accept, basis = True, "shift"
@@ -656,7 +656,7 @@ class Sentinel:
         ema = tok if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * tok
         return (0.0 if med is None else max(0.0, ema - med)), ema
 
-    def _shifted(self, state: _Direction) -> bool:
+    def _shifted(self, state: _Direction, sender: str | None = None) -> bool:
         """At least 80% of the senders heard from in the last ``shift_horizon`` tensors (and at
         least three) sent their latest tensor outside the fences: more than a malicious minority
         of replicas (up to 37.5%, plus an honest false positive or two) can cause, so the honest
@@ -673,7 +673,15 @@ class Sentinel:
         is deviations up to ``shift_reach`` fences, and a lone replica can stall its stage
         anyway."""
         horizon = state.seen - self.params.shift_horizon
-        active = [rec.out for rec in self._voters(state) if rec.last >= horizon]
+        voters = [rec for rec in self._voters(state) if rec.last >= horizon]
+        current = state.senders.get(sender) if sender is not None else None
+        if current is not None and not any(rec is current for rec in voters):
+            current = None  # a newcomer (no vote) cannot help call a shift
+        # ``sender``'s tensor now being judged is out (the caller asks only then) and counts as
+        # its latest: of two replicas that an upstream move reaches one after the other, the
+        # second is excused at its first tensor out, not its second. Only beside other voters:
+        # a lone sender still needs two tensors out in a row.
+        active = [True if rec is current and len(voters) >= 2 else rec.out for rec in voters]
         if len(active) < 3 and len(active) < len(self._active(state)):
             return False  # some sender is not (yet) a voter: no verdict on a stage-wide shift
         return len(active) >= 1 and sum(active) >= math.ceil(0.8 * len(active))

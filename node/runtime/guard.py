@@ -66,7 +66,8 @@ class Guard:
                      ids: torch.Tensor | None, mb: int):
         """Run the verifier off the event loop; count the verdict; ban a sender whose recent
         tensors keep being flagged (``security.bans.BanList``: flags_to_ban of the last 20, each
-        flag weighted by how far its score is over the fence, ``sentinel.ban_margin``)."""
+        flag weighted by how far its score is over the fence, ``sentinel.ban_margin``; the flags
+        of tensors of one sender ``version`` count once, see ``BanList.record``)."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         call = functools.partial(self.verifier.verify, peer, direction, tensor, step=version, ids=ids, mb=mb)
@@ -77,7 +78,8 @@ class Guard:
         now = time.monotonic()
         mostly_ok = self.banlist.flag_rate(peer) < 0.5
         weight = ban_weight(verdict, self.sentinel.ban_margin)
-        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or ""), weight=weight) \
+        if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or ""), weight=weight,
+                               version=version) \
                 and mostly_ok and self.last_replica(peer):
             # A ban exists to route around a peer. With no other replica of its stage it would only
             # stop the pipeline, so a sender whose tensors mostly pass is spared (its flagged tensors
