@@ -343,3 +343,20 @@ def test_private_init_is_deterministic_per_secret_and_differs_from_the_public_on
         assert torch.equal(pa, pb), name
         assert not torch.equal(pa, pc) and not torch.equal(pa, pp), name
         assert abs(pa.std().item() - m.model.init_std) < 0.2 * m.model.init_std, name
+
+
+def test_train_local_resumes_a_morphing_run(tmp_path):
+    """The morph maps are in the checkpoint and the master is rebuilt: a run stopped and resumed
+    across morph epochs ends where the uninterrupted run ends."""
+    torch.set_num_threads(1)
+    from node.ops import train
+
+    m = _morph_manifest("test", optim="muon").replace(
+        optim={"lr": 0.02, "aux_lr": 0.3, "momentum": 0.9}, schedule={"total_steps": 30},
+        morph={"every": 10}, train={"steps": 30, "val_every": 30, "checkpoint_every": 15})
+    full = train(m, steps=30, quiet=True, morph_secret=b"r")
+    train(m, steps=15, quiet=True, checkpoint_dir=tmp_path, morph_secret=b"r")
+    resumed = train(m, steps=30, quiet=True, checkpoint_dir=tmp_path, resume=True, morph_secret=b"r")
+    assert resumed["start_step"] == 15 and resumed["morphs"] == 2
+    assert abs(resumed["val_loss"] - full["val_loss"]) < 1e-4
+    assert not torch.allclose(resumed["stages"][0].morph_out, torch.eye(8, dtype=torch.float64))
