@@ -730,6 +730,13 @@ def manifest_toml(m: Manifest) -> str:
 def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
     """Dotted names of the consensus fields that differ, e.g. ``["model.d_model"]``."""
     da, db = consensus_dict(a), consensus_dict(b)
+    for d in (da, db):  # fields left out at their default compare as their default
+        for section, name in _OMIT_AT_DEFAULT:
+            defaults = _plain(dataclasses.asdict(_section_class(section)()))
+            if name is None:
+                d.setdefault(section, defaults)
+            else:
+                d.setdefault(section, {}).setdefault(name, defaults[name])
     out = []
     for section in sorted(set(da) | set(db)):
         sa, sb = da.get(section, {}), db.get(section, {})

@@ -360,3 +360,10 @@ def test_train_local_resumes_a_morphing_run(tmp_path):
     assert resumed["start_step"] == 15 and resumed["morphs"] == 2
     assert abs(resumed["val_loss"] - full["val_loss"]) < 1e-4
     assert not torch.allclose(resumed["stages"][0].morph_out, torch.eye(8, dtype=torch.float64))
+
+
+def test_diff_names_only_the_morph_fields_that_differ():
+    from stages import diff_manifests
+
+    m = load_manifest("test")
+    assert diff_manifests(m, m.replace(optim={"name": "sgd"}, morph={"every": 50})) == ["morph.every", "optim.name"]
