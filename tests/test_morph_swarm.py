@@ -275,6 +275,17 @@ async def test_a_joiner_gets_state_two_epochs_after_it_appeared_in_the_current_b
         # b2 follows the next epochs: it gets the seeds and folds, and takes microbatches
         assert await wait_for(lambda: b2.morph.epoch >= joined_at + 2 and b2.version > got.version + 2, timeout=90)
         assert head.morph.epoch - 1 <= b2.morph.epoch <= head.morph.epoch
+        # the two replicas stay in one basis: in the same epoch their basis maps are the same (they
+        # folded the same transforms since b2 took b1's maps; one fold missed or taken from another
+        # seed would change them). Their weights drift apart (different microbatches, no averaging
+        # in one process), so the maps, not the outputs, are what to compare here.
+        # (compared with no fold running on either: folds start only from ``enter``, under its lock,
+        # on this event loop, and nothing below yields to it)
+        assert await wait_for(lambda: b1.morph.epoch == b2.morph.epoch and not b1.morph._lock.locked()
+                              and not b2.morph._lock.locked(), timeout=30)
+        assert b2.morph.epoch > got.epoch
+        for name in ("morph_in", "morph_out"):
+            torch.testing.assert_close(b2.stage.get_buffer(name), b1.stage.get_buffer(name), rtol=0, atol=1e-9)
     finally:
         drive.cancel()
         for t in maintain:
