@@ -140,7 +140,7 @@ def _p2pd(*flags: str) -> tuple[subprocess.Popen, str]:
 
     binary = str(files("hivemind.hivemind_cli") / P2PD_FILENAME)
     port = free_tcp_port()
-    sock = f"/tmp/dash-test-p2pd-{port}.sock"
+    sock = f"/tmp/swarm-node-test-p2pd-{port}.sock"
     proc = subprocess.Popen([binary, f"-listen=/unix{sock}", "-hostAddrs=/ip4/127.0.0.1/tcp/0", "-q",
                              f"-metricsAddr=127.0.0.1:{port}", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

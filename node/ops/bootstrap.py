@@ -76,8 +76,9 @@ def _main(args) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        # daemon_metrics off: a bootstrap peer exports no metrics, so its p2pd needs no endpoint for them
         dht = start_dht(list(args.initial_peers), list(host), list(args.announce_maddrs), args.identity or None,
-                        local=args.local)
+                        local=args.local, daemon_metrics=False)
     except BootstrapError as e:
         raise CliError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - p2pd refused to start: say why in one line
