@@ -239,6 +239,8 @@ def fold_input(stage: nn.Module, M: Tensor, *, optimizer=None, master: MorphMast
     roles = _parameter_roles(stage)
     if optimizer is not None:
         _check_optimizer(stage, optimizer)
+    if master is not None:
+        master.sync()  # before anything changes: a refusal leaves the stage as it was
     A_new = torch.linalg.solve(M.to(A.device), A.to(torch.float64))
     P, W = _polar(A_new)
     R = W.T.contiguous()
@@ -246,12 +248,12 @@ def fold_input(stage: nn.Module, M: Tensor, *, optimizer=None, master: MorphMast
     if stage.morph_out is not None:
         stage.morph_out.copy_(R.T.to(stage.morph_out.device) @ stage.morph_out.to(torch.float64))
     U = getattr(stage.codec, "U", None)
-    if master is not None:
-        master.sync()
     params = dict(stage.named_parameters())
     state_of = {}
     if optimizer is not None:
         state_of = {id(p): optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]}
+    if optimizer is not None and isinstance(getattr(optimizer, "_dir_cache", None), dict):
+        optimizer._dir_cache.clear()  # Muon's cached update directions are in the old basis
     rots: dict = {}
 
     def rotation(device, dtype) -> _Rotation:
