@@ -121,10 +121,11 @@ def parse_args(argv=None):
     ap.add_argument("--real-workdir", default="", help="keep part 3's logs here (default: a temp dir)")
     ap.add_argument("--clean-replicas", type=int, default=2,
                     help="--part clean: honest middle-stage replicas of a real swarm with no attacker")
-    ap.add_argument("--clean-steps", type=int, default=200,
-                    help="--part clean: tail steps per run (200: five runs in ~40 min on a loaded 2-core box)")
+    ap.add_argument("--clean-steps", type=int, default=200, help="--part clean: tail steps per run")
     ap.add_argument("--clean-runs", type=int, default=5,
                     help="--part clean: real clean swarms, one after the other (keys run1, run2, ...)")
+    ap.add_argument("--clean-parallel", type=int, default=1,
+                    help="--part clean: runs at once (each its own swarm; more load on the machine, so more stalls)")
     ap.add_argument("--clean-horizons", default="",
                     help="--part clean: instead of --clean-runs, one run per asyncmesh.lookahead_horizon value of this "
                     "comma list, a repeated value another run (keys pipeline, pipeline#2, ...)")
@@ -143,8 +144,8 @@ def parse_args(argv=None):
         args.val_steps, args.val_batches, args.val_batch_size, args.no_variants = 60, 2, 4, True
     if args.quick and args.part == "all":
         args.part = "both"
-    if args.clean_runs < 1:
-        ap.error("--clean-runs must be at least 1")
+    if args.clean_runs < 1 or args.clean_parallel < 1:
+        ap.error("--clean-runs and --clean-parallel must be at least 1")
     if args.real_replicas < 2:
         ap.error("--real-replicas must be at least 2 (one honest, one malicious)")
     if args.malicious < 1 or args.malicious >= args.replicas / 2:
@@ -602,7 +603,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     out["body_step_gap_max"] = gap_max
     out["loss_ema"] = metrics["tail"].get("swarm_node_loss_ema")
     out["settings"] = {"manifest": args.real_manifest, "lookahead_horizon": m.asyncmesh.lookahead_horizon,
-                       "node_args": args.clean_node_args,
+                       "node_args": args.clean_node_args, "parallel_runs": args.clean_parallel,
                        "replicas": args.clean_replicas, "steps": args.clean_steps,
                        "sentinel": {"warmup": m.sentinel.warmup, "kappa": m.sentinel.kappa,
                                     "flags_to_ban": m.sentinel.flags_to_ban},
@@ -630,10 +631,17 @@ def main(argv=None) -> int:
                 n = runs[key]
                 clean[key if n == 1 else f"{key}#{n}"] = clean_run(args, h, "" if n == 1 else f"-{n}")
         else:
-            for n in range(1, args.clean_runs + 1):
-                clean[f"run{n}"] = clean_run(args, None, f"-run{n}")
-                print(f"bench_sentinel clean: run {n} of {args.clean_runs}: fpr {clean[f'run{n}']['fpr']}, "
-                      f"bans {clean[f'run{n}']['false_bans']}", file=sys.stderr, flush=True)
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(n: int) -> dict:
+                r = clean_run(args, None, f"-run{n}")
+                print(f"bench_sentinel clean: run {n} of {args.clean_runs}: fpr {r['fpr']}, bans {r['false_bans']}",
+                      file=sys.stderr, flush=True)
+                return r
+
+            with ThreadPoolExecutor(max(1, args.clean_parallel)) as pool:
+                done = list(pool.map(one, range(1, args.clean_runs + 1)))
+            clean = {f"run{n}": r for n, r in enumerate(done, 1)}
     result = {
         "attacks": det.pop("attacks") if det else None,
         "fpr": det.pop("fpr") if det else None,
