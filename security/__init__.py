@@ -8,7 +8,7 @@ from security.attacks import (
     ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack,
 )
 from security.bans import (  # noqa: F401
-    BanList, ban_weight, refusal_weight_of, verdict_score,
+    BanList, OneVersion, ban_weight, refusal_weight_of, verdict_score,
 )
 from security.identity import (
     OrganiserKey, PeerKey, b58encode, manifest_signature_problem, new_ed25519_key, organiser_fingerprint,
@@ -34,6 +34,7 @@ __all__ = [
     "ATTACKS",
     "AttackNotAllowed",
     "BanList",
+    "OneVersion",
     "BasicVerifier",
     "SentinelVerifier",
     "ban_weight",

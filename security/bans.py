@@ -26,15 +26,46 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class OneVersion:
+    """Counts the marginal flags (weight < 1) of one sender version once, for up to ``cap`` of
+    them; a clear flag (weight 1), a flag without a version, or one past ``cap`` counts in full.
+    Tensors of one version were computed with the same weights, and a replica whose tensors are
+    refused gets no gradient back, so it does not step and sends its next microbatches at the same
+    version, all flagged alike: one piece of evidence, not several (docs/SENTINEL.md, "False flags
+    in clean swarms"). A poisoner whose every tensor is refused never steps either; its clear
+    flags still count one by one, and it cannot hold its version to stay unbanned past ``cap``."""
+
+    cap: int = 4
+    version: object = None
+    largest: float = 0.0
+    flags: int = 0
+
+    def count(self, weight: float, version: object) -> float:
+        """What a flag of ``weight`` for a tensor of ``version`` adds toward a ban."""
+        if version is None or weight >= 1.0:
+            return weight
+        if version != self.version:
+            self.version, self.largest, self.flags = version, weight, 1
+            return weight
+        if self.flags >= self.cap:
+            return weight
+        self.flags += 1
+        extra = max(0.0, weight - self.largest)
+        self.largest = max(self.largest, weight)
+        return extra
+
+    def reset(self) -> None:
+        self.version, self.largest, self.flags = None, 0.0, 0
+
+
+@dataclass
 class _Peer:
     recent: deque = field(default_factory=deque)  # what each of the last ``memory`` records weighs
     flags: deque = field(default_factory=deque)  # whether each of them was a flag
     until: float = 0.0  # banned while now < until
     strikes: int = 0  # bans so far (drives the backoff)
     reason: str = ""
-    flag_version: object = None  # the sender version of its latest flag (``record(..., version=)``)
-    version_weight: float = 0.0  # the largest weight counted for that version so far
-    version_flags: int = 0  # flags of that version so far
+    versions: OneVersion = field(default_factory=OneVersion)  # ``record(..., version=)``
 
 
 class BanList:
@@ -55,7 +86,8 @@ class BanList:
     def _peer(self, peer: str) -> _Peer:
         p = self._peers.get(peer)
         if p is None:
-            p = self._peers[peer] = _Peer(recent=deque(maxlen=self.memory), flags=deque(maxlen=self.memory))
+            p = self._peers[peer] = _Peer(recent=deque(maxlen=self.memory), flags=deque(maxlen=self.memory),
+                                              versions=OneVersion(self.version_cap))
         return p
 
     def record(self, peer: str, flagged: bool, now: float, reason: str = "", weight: float = 1.0,
@@ -64,16 +96,10 @@ class BanList:
         counts ``weight`` (in (0, 1], see ``flag_weight``); the peer is banned when the weights
         of its last ``memory`` records sum to ``flags_to_ban``.
 
-        ``version``: the sender's optimizer version the tensor came with. Marginal flags (weight
-        < 1: a score under ``1 + ban_margin``) of tensors of one version are one piece of
-        evidence, not several: they were computed with the same weights, and a replica whose
-        tensors are refused gets no gradient back, so it does not step and sends its next
-        microbatches at the same version, all flagged alike (clean real swarms: three to ten
-        marginal flags of one version within seconds, which banned honest replicas). So the
-        marginal flags of one version count their largest weight once, for up to
-        ``version_cap`` flags; beyond that each counts in full (a sender cannot hold its version
-        still to stay unbanned). A clear flag (weight 1) always counts in full: a poisoner whose
-        every tensor is refused never steps either, and is banned as fast as before."""
+        ``version``: the sender's optimizer version the tensor came with; the marginal flags of
+        one version count once, for up to ``version_cap`` of them (``OneVersion``; clean real
+        swarms: three to ten marginal flags of one version within seconds banned honest
+        replicas). Clear flags count in full: a refused poisoner is banned as fast as before."""
         if flagged and not 0.0 < weight <= 1.0:
             raise ValueError(f"bans: a flag's weight must be in (0, 1], got {weight}")
         p = self._peer(peer)
@@ -81,12 +107,8 @@ class BanList:
             return False  # already banned; its traffic should not reach us
         if p.strikes and p.until and now - p.until > self.decay_s:
             p.strikes = 0
-        if flagged and version is not None and weight < 1.0:
-            if version == p.flag_version and p.version_flags < self.version_cap:
-                p.version_flags += 1
-                weight, p.version_weight = max(0.0, weight - p.version_weight), max(p.version_weight, weight)
-            elif version != p.flag_version:
-                p.flag_version, p.version_weight, p.version_flags = version, weight, 1
+        if flagged:
+            weight = p.versions.count(weight, version)
         p.recent.append(float(weight) if flagged else 0.0)
         p.flags.append(bool(flagged))
         if flagged and sum(p.recent) >= self.flags_to_ban - 1e-9:
@@ -103,7 +125,7 @@ class BanList:
         p.reason = reason
         p.recent.clear()
         p.flags.clear()
-        p.flag_version, p.version_weight, p.version_flags = None, 0.0, 0
+        p.versions.reset()
         return p.until
 
     def is_banned(self, peer: str, now: float) -> bool:

@@ -138,7 +138,7 @@ async def test_a_relayed_refusal_blames_only_the_hop_whose_output_was_refused(te
     assert value(s1, "swarm_node_bans_total", cause="verifier-downstream") == 1
     assert value(s1, "swarm_node_served_total", protocol="bwd", result="skip") >= m.sentinel.flags_to_ban
     assert value(head, "swarm_node_bans_total") == 0
-    assert not any(any(outcomes) for outcomes in head.guard.downstream.values())  # no refusal held against s1
+    assert not any(r for outcomes in head.guard.downstream.values() for r, _ in outcomes)  # none held against s1
     assert not head.router.banned()
 
 
@@ -195,6 +195,30 @@ def test_marginal_refusals_in_a_row_do_not_ban_but_clear_ones_do(test_manifest):
     assert not head.router.is_banned("b2")
     head.guard.downstream_outcome("b2", True, clear)
     assert head.router.is_banned("b2")
+    head.guard.stop()
+
+
+def test_marginal_refusals_of_one_version_count_once(test_manifest):
+    """A clean real swarm's burst: the tail refused six outputs of one honest body replica, all of
+    its version 71 (refused microbatches bring no gradient, so it did not step), at scores
+    1.64, 1.57, 1.42, 1.47, 1.42, 1.46; counted one by one they weighed 5.5 and the head banned
+    it. Its marginal refusals (under 1 + ban_margin) of one version count once; the same scores
+    over new versions still ban, and so do clear refusals of one version (a refused poisoner
+    never steps either)."""
+    net = Net()
+    head = make_runtime(test_manifest, 0, "head", net, batches=head_batches(test_manifest))
+    b1, b2, b3 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2", "b3"))
+    link([head, b1, b2, b3])
+    burst = (1.64, 1.57, 1.42, 1.47, 1.42, 1.46)
+    for score in burst:
+        head.guard.downstream_outcome("b1", True, score, version=71)
+    assert not head.router.is_banned("b1")
+    for i, score in enumerate(burst):
+        head.guard.downstream_outcome("b2", True, score, version=71 + i)
+    assert head.router.is_banned("b2")
+    for _ in range(test_manifest.sentinel.flags_to_ban + 2):
+        head.guard.downstream_outcome("b3", True, 1.7, version=5)
+    assert head.router.is_banned("b3")
     head.guard.stop()
 
 

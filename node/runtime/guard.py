@@ -29,7 +29,7 @@ import torch
 from node.runtime.options import RuntimeOptions
 from node.runtime.worker import Tasks, pin_torch_threads
 from protocol import Reason
-from security import BanList, ban_weight, refusal_weight_of
+from security import BanList, OneVersion, ban_weight, refusal_weight_of
 from stages import SentinelConfig
 
 log = logging.getLogger("swarm_node.runtime")
@@ -45,8 +45,9 @@ class Guard:
         self.resync = resync  # fetch and adopt another replica's weights; False when none gave them
         self.banlist = BanList(flags_to_ban=sentinel.flags_to_ban, memory=max(20, sentinel.flags_to_ban),
                                base_s=options.ban_flags_seconds)
-        # next hop -> refusal weights of its recent outputs (0 when the output got through)
+        # next hop -> (refused?, what the refusal weighed) of its recent outputs, and its versions
         self.downstream: dict[str, collections.deque] = {}
+        self.downstream_versions: dict[str, OneVersion] = {}
         self.banned_at: float | None = None  # when a neighbour last answered "banned"
         self.last_accepted = 0.0  # when a neighbour last accepted a fwd or a gradient of ours
         self.resync_task: asyncio.Task | None = None
@@ -108,7 +109,8 @@ class Guard:
                 self._verify_pool.submit(forget, peer)
         log.warning("banned %s for %.0f s: %s", peer, until - now, why)
 
-    def downstream_outcome(self, peer: str, refused: bool, score: float | None = None, detail: str = "") -> None:
+    def downstream_outcome(self, peer: str, refused: bool, score: float | None = None, detail: str = "",
+                           version: int | None = None) -> None:
         """What became of the output of ``peer`` (our next hop): the next stage refused it (``peer``
         itself reports that with a ``skip`` marked ``refused: own``, carrying the next stage's
         verifier score when a fence refused) or it got through (a gradient came back from
@@ -130,18 +132,25 @@ class Guard:
         (nothing reaches the model) and is banned by the next stage's weighted flags, whose
         "banned by the next stage" refusals then count fully here. The last replica of a stage is
         never banned this way (nothing to route to instead; the next stage drops what it refuses
-        anyway)."""
+        anyway).
+
+        ``version``: the hop's version its skip came with; marginal refusals of one version count
+        once (``security.bans.OneVersion``, as in the ban list): a replica whose outputs are
+        refused does not step, and an honest one's burst of six marginal refusals of one version
+        banned it here in a clean real swarm."""
         flags_to_ban = self.sentinel.flags_to_ban
         recent = self.downstream.setdefault(peer, collections.deque(maxlen=flags_to_ban + 2))
         if not refused:
-            recent.append(0.0)
+            recent.append((False, 0.0))
             return
-        recent.append(refusal_weight_of(score, self.sentinel.ban_margin))
+        versions = self.downstream_versions.setdefault(peer, OneVersion())
+        recent.append((True, versions.count(refusal_weight_of(score, self.sentinel.ban_margin), version)))
         log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
-        if len(recent) < recent.maxlen or not all(recent) or sum(recent) < flags_to_ban \
+        if len(recent) < recent.maxlen or not all(r for r, _ in recent) or sum(w for _, w in recent) < flags_to_ban \
                 or peer in self.router.banned() or self.last_replica(peer):
             return
         recent.clear()
+        versions.reset()
         now = time.monotonic()
         self.banlist.ban(peer, now, reason="downstream")
         self._ban(peer, now, "verifier-downstream", f"the next stage refused its last {recent.maxlen} outputs ({detail})")

@@ -183,7 +183,7 @@ class Pipeline:
             self.metrics.served.labels(protocol="bwd", result="skip").inc()
             verifier_refusal = bwd.skip == Reason.REJECTED_BY_VERIFIER.value
             if verifier_refusal and bwd.refused == "own":
-                self.guard.downstream_outcome(peer, True, bwd.score, bwd.detail)
+                self.guard.downstream_outcome(peer, True, bwd.score, bwd.detail, version=bwd.version)
             # passed on upstream as relayed: only the hop whose tensors were refused is blamed
             self.drop(bwd.mb, Skip(f"skip-{bwd.skip}", bwd.skip, bwd.detail, score=bwd.score,
                                    refused="relayed" if verifier_refusal else None))
