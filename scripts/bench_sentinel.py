@@ -108,7 +108,14 @@ def parse_args(argv=None):
                     "--pick-strongest run (val loss +4.7%% vs clean on the test model)")
     ap.add_argument("--pick-strongest", action="store_true",
                     help="part 2 first trains once per attack without SENTINEL and uses the most damaging")
-    ap.add_argument("--part", choices=("all", "both", "detection", "damage", "real", "clean"), default="all",
+    ap.add_argument("--harm-steps", type=int, default=150, help="--part harm: training steps")
+    ap.add_argument("--harm-start", type=int, default=80, help="--part harm: step the attacks begin")
+    ap.add_argument("--harm-families", default="",
+                    help="--part harm: comma list of families to sweep (default: all of HARM_FAMILIES and HARM_FIXED)")
+    ap.add_argument("--harm-lag", type=int, default=0,
+                    help="--part harm: the honest twin replica's weights are this many steps old "
+                    "(0: the manifest's asyncmesh.avg_every, the steps between two averaging rounds)")
+    ap.add_argument("--part", choices=("all", "both", "detection", "damage", "real", "clean", "harm"), default="all",
                     help="all: detection, damage and the real run; both: detection and damage")
     ap.add_argument("--real-manifest", default="default",
                     help="run manifest of the real swarm (part 3); the test model's payloads (4 x 32 tokens) are too small for quiet statistics")
@@ -142,6 +149,7 @@ def parse_args(argv=None):
         args.manifest, args.batch_size, args.steps, args.attack_start = "test", 4, 70, 30
         args.replicas, args.malicious = 4, 1
         args.val_steps, args.val_batches, args.val_batch_size, args.no_variants = 60, 2, 4, True
+        args.harm_steps, args.harm_start = 50, 25
     if args.quick and args.part == "all":
         args.part = "both"
     if args.clean_runs < 1 or args.clean_parallel < 1:
@@ -152,6 +160,8 @@ def parse_args(argv=None):
         ap.error("--malicious must be at least 1 and a minority of --replicas")
     if not 0 < args.attack_start < args.steps:
         ap.error("--attack-start must lie inside the run")
+    if not 0 < args.harm_start < args.harm_steps:
+        ap.error("--harm-start must lie inside the run")
     return args
 
 
@@ -401,6 +411,242 @@ def _sentinel_settings(v: SentinelVerifier) -> dict:
                                       "clip", "iqr_floor", "reject_weight", "beta_tok")}
 
 
+# ---------------------------------------------------------------------------------------- harm
+
+# Adaptive families swept in strength (security.attacks, docs/SENTINEL.md "Adaptive adversary"),
+# the classic attacks swept where they have a strength, and the rest at their defaults.
+HARM_FAMILIES = {
+    "swap": ("fraction", (0.01, 0.03, 0.1, 0.3)),
+    "ctxswap": ("fraction", (0.3, 1.0)),
+    "rotate": ("angle", (0.1, 0.3, 1.0)),
+    "flip": ("fraction", (0.05, 0.2, 0.6)),
+    "drift": ("rate", (0.005, 0.02)),
+    "fence": ("margin", (0.5, 0.9)),
+    "invisible": ("rel", (0.1, 0.3, 1.0)),
+    "bias": ("scale", (0.1, 0.25, 0.5)),
+    "scaling": ("factor", (1.2, 1.5, 3.0)),
+}
+HARM_FIXED = ("constant", "zeros", "random", "negation", "sign_flip", "delayed", "adaptive", "mixed")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _centred_logits(tail, x, ids) -> torch.Tensor:
+    """The tail's output for activations ``x``, logits centred per position (a constant shift of a
+    position's logits changes no probability)."""
+    with torch.no_grad():
+        y = tail(x, ids).float()
+    return y - y.mean(-1, keepdim=True)
+
+
+class HarmTally:
+    """One attack setting: per malicious tensor its harm and verdict; when each sender is first
+    banned (either direction: the head stops routing to a replica either node bans); honest
+    tensors' rejections."""
+
+    def __init__(self, m, start: int):
+        self.start = start
+        self.bans = {d: BanList(flags_to_ban=m.sentinel.flags_to_ban, memory=max(BAN_MEMORY, m.sentinel.flags_to_ban))
+                     for d in ("act", "grad")}
+        self.margin = m.sentinel.ban_margin
+        self.banned_at: dict[str, int] = {}
+        self.rows: list[tuple[str, str, bool, float, bool]] = []  # sender, direction, rejected, harm, before its ban
+        self.fp = self.judged_honest = 0
+        self.reasons: dict[str, int] = {}
+
+    def add(self, sender: str, direction: str, malicious: bool, verdict, step: int, harm: float | None) -> None:
+        if step < self.start:
+            return
+        rejected = not verdict.accept
+        if malicious:
+            self.rows.append((sender, direction, rejected, harm, sender not in self.banned_at))
+            if rejected:
+                self.reasons[verdict.reason] = self.reasons.get(verdict.reason, 0) + 1
+        else:
+            self.fp += rejected
+            self.judged_honest += 1
+        if self.bans[direction].record(sender, rejected, float(step), weight=ban_weight(verdict, self.margin)):
+            self.banned_at.setdefault(sender, step)
+
+    def result(self, malicious: set[str]) -> dict:
+        out = {"harm": {}, "recall": {}, "under_fence": {}, "accepted_harm_max": {}}
+        for d in ("act", "grad"):
+            rows = [r for r in self.rows if r[1] == d]
+            harms = [r[3] for r in rows]
+            out["harm"][d] = round(statistics.median(harms), 5) if harms else None
+            out["recall"][d] = round(sum(r[2] for r in rows) / len(rows), 4) if rows else None
+            # what got through before a ban: the largest harm of one accepted tensor
+            acc = [r[3] for r in rows if not r[2] and r[4]]
+            out["accepted_harm_max"][d] = round(max(acc), 5) if acc else 0.0
+            # the harm an attacker did without ever being banned: per unbanned sender the median
+            # harm of its accepted tensors (rejected ones are dropped: no harm), the largest
+            unb = []
+            for s in malicious:
+                if s in self.banned_at:
+                    continue
+                mine = [r for r in rows if r[0] == s]
+                got = [r[3] for r in mine if not r[2]]
+                if mine:
+                    unb.append(statistics.median([r[3] if not r[2] else 0.0 for r in mine]) if got else 0.0)
+            out["under_fence"][d] = round(max(unb), 5) if unb else 0.0
+        out["banned"] = sorted(s for s in malicious if s in self.banned_at)
+        out["ban_delay_steps"] = {s: self.banned_at[s] - self.start for s in sorted(malicious) if s in self.banned_at}
+        out["honest_rejected"] = [self.fp, self.judged_honest]
+        out["reasons"] = dict(sorted(self.reasons.items(), key=lambda kv: -kv[1]))
+        return out
+
+
+def harm_cases(selected: str) -> dict[str, tuple[str, str, dict]]:
+    """setting name -> (family, attack, params)."""
+    want = [f for f in selected.split(",") if f] or [*HARM_FAMILIES, *HARM_FIXED]
+    cases = {}
+    for fam in want:
+        if fam in HARM_FAMILIES:
+            param, values = HARM_FAMILIES[fam]
+            for v in values:
+                cases[f"{fam}({param}={v})"] = (fam, fam, {param: v})
+        elif fam in ATTACKS:
+            cases[fam] = (fam, fam, {})
+        else:
+            raise SystemExit(f"--harm-families: unknown family {fam!r}")
+    return cases
+
+
+def harm(args) -> dict:
+    """Detection against harm. One clean training run (as part 1); the harm of a tensor a
+    malicious replica sends is what it does to its receiver compared with the honest tensor of
+    the same microbatch: for activations, the relative change of the tail's (centred) logits; for
+    gradients, the relative change of the head's parameter gradient. The honest replicas'
+    natural harm is the same measure for an honest twin replica whose weights are ``lag`` steps
+    old (two replicas between averaging rounds); its median per direction is the threshold."""
+    m = load_manifest(args.manifest)
+    sw = Swarm(m, args.batch_size, args.replicas, args.malicious, args.harm_start, args.seed)
+    m = sw.m
+    lag = args.harm_lag or m.asyncmesh.avg_every
+    head, body, tail = sw.stages
+    twin = build_stage(m, 1)
+    snaps: collections.deque = collections.deque(maxlen=lag + 1)
+    head_params = [p for p in head.parameters() if p.requires_grad]
+    settings = dict(kappa=args.kappa, warmup=args.warmup)
+    cases = harm_cases(args.harm_families)
+    runs = {}
+    for i, (case, (fam, attack, kw)) in enumerate(cases.items()):
+        run = {"tail": make_verifier(m, seed=m.run.seed + 1, **settings),
+               "head": make_verifier(m, seed=m.run.seed + 2, **settings),
+               "tally": HarmTally(m, args.harm_start), "family": fam, "ids": None}
+        atk = {}
+        for j, r in enumerate(sorted(sw.malicious)):
+            for d, node in (("act", "tail"), ("grad", "head")):
+                extra = {}
+                if attack == "fence":  # white-box: the receiver's own verdict, without learning
+                    extra["oracle"] = (lambda t, run=run, r=r, d=d, node=node:
+                                       run[node].sentinel.judge(r, d, t, ids=run["ids"], commit=False).score)
+                atk[(r, d)] = make_attack(attack, start=args.harm_start, seed=1000 * i + j, **kw, **extra)
+        run["attack"] = atk
+        runs[case] = run
+
+    natural = {"act": [], "grad": []}
+    natural_1 = {"act": [], "grad": []}
+    t0 = time.perf_counter()
+    for step in range(args.harm_steps):
+        sw.set_lr(step)
+        ids = sw.batches.batch(step)
+        replica = sw.route(step)
+        c0 = head(None, ids)
+        x1 = c0.detach().requires_grad_()
+        c1 = body(x1, ids)
+        x2 = c1.detach().requires_grad_()
+        logits = tail(x2, ids)
+        loss = lm_loss(logits, ids)
+        loss.backward()
+        g2 = x2.grad
+        c1.backward(g2)
+        g1 = x1.grad
+        act, grad = c1.detach(), g1.detach()
+        attacked = step >= args.harm_start
+        if attacked:
+            y_honest = (logits.detach() - logits.detach().mean(-1, keepdim=True)).float()
+
+            def head_grad(g):
+                gs = torch.autograd.grad(c0, head_params, g, retain_graph=True)
+                return torch.cat([t.reshape(-1) for t in gs])
+
+            h_honest = head_grad(grad)
+            # the honest twin: the same microbatch through the body's weights `lag` (and 1) steps ago
+            for older, store in ((snaps[0], natural), (snaps[-1], natural_1)):
+                twin.load_state_dict(older)
+                xt = c0.detach().requires_grad_()
+                ct = twin(xt, ids)
+                at = ct.detach().requires_grad_()
+                lt = lm_loss(tail(at, ids), ids)
+                (g2t,) = torch.autograd.grad(lt, at)
+                (g1t,) = torch.autograd.grad(ct, xt, g2t)
+                store["act"].append(_rel(_centred_logits(tail, at.detach(), ids), y_honest))
+                store["grad"].append(_rel(head_grad(g1t), h_honest))
+        for case, run in runs.items():
+            run["ids"] = ids
+            for direction, x, node in (("act", act, "tail"), ("grad", grad, "head")):
+                for (r, d), atk in run["attack"].items():
+                    if d == direction and r != replica:
+                        atk.ids = ids
+                        with torch.no_grad():
+                            atk.observe(x, step)
+                bad = replica in sw.malicious
+                sent = run["attack"][(replica, direction)](x, step, ids=ids) if bad else x
+                v = run[node].verify(replica, direction, sent, step=step, ids=ids, mb=step)
+                h = None
+                if bad and attacked:
+                    h = (_rel(_centred_logits(tail, sent, ids), y_honest) if direction == "act"
+                         else _rel(head_grad(sent), h_honest))
+                run["tally"].add(replica, direction, bad and attacked, v, step, h)
+        c0.backward(g1)
+        sw.clip_and_step(range(3))
+        snaps.append({k: v.detach().clone() for k, v in body.state_dict().items()})
+        if step % 10 == 0:
+            print(f"bench_sentinel harm: step {step} loss {loss.item():.3f} "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    thr = {d: statistics.median(natural[d]) for d in natural}
+    settings_out, families = {}, {}
+    fp = judged = 0
+    for case, run in runs.items():
+        r = run["tally"].result(sw.malicious)
+        fp += r["honest_rejected"][0]
+        judged += r["honest_rejected"][1]
+        settings_out[case] = r
+        fam = families.setdefault(run["family"], {"under_fence": {"act": 0.0, "grad": 0.0}, "settings": [],
+                                                  "recall_above_threshold": {"act": None, "grad": None},
+                                                  "ok": True})
+        fam["settings"].append(case)
+        for d in ("act", "grad"):
+            fam["under_fence"][d] = max(fam["under_fence"][d], r["under_fence"][d])
+            if r["harm"][d] is not None and r["harm"][d] > thr[d]:
+                prev = fam["recall_above_threshold"][d]
+                fam["recall_above_threshold"][d] = r["recall"][d] if prev is None else min(prev, r["recall"][d])
+                if r["recall"][d] < 0.9:
+                    fam["ok"] = False
+            if r["under_fence"][d] > thr[d]:
+                fam["ok"] = False
+    q = lambda v, p: round(sorted(v)[min(len(v) - 1, int(p * len(v)))], 5) if v else None  # noqa: E731
+    return {
+        "threshold": {d: round(v, 5) for d, v in thr.items()},
+        "natural_harm": {d: {"median": q(natural[d], 0.5), "p90": q(natural[d], 0.9), "max": q(natural[d], 1.0),
+                             "lag_1_median": q(natural_1[d], 0.5)} for d in natural},
+        "families": families,
+        "settings": settings_out,
+        "fpr": round(fp / judged, 5) if judged else None,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "settings_used": {"manifest": args.manifest, "batch_size": args.batch_size, "steps": args.harm_steps,
+                          "attack_start": args.harm_start, "replicas": sw.replicas,
+                          "malicious": sorted(sw.malicious), "lag": lag,
+                          "harm": "act: |Δ centred tail logits| / |tail logits|; grad: |Δ head param grad| / |head param grad|",
+                          "sentinel": _sentinel_settings(runs[next(iter(runs))]["tail"]),
+                          "flags_to_ban": m.sentinel.flags_to_ban},
+    }
+
+
 # ---------------------------------------------------------------------------------------- part 2
 
 
@@ -620,6 +866,7 @@ def main(argv=None) -> int:
     det = detection(args) if args.part in ("all", "both", "detection") else None
     dmg = damage(args) if args.part in ("all", "both", "damage") else None
     real = real_run(args) if args.part in ("all", "real") else None
+    hrm = harm(args) if args.part == "harm" else None
     clean = None
     if args.part == "clean":
         clean = {}
@@ -650,6 +897,7 @@ def main(argv=None) -> int:
         "val_loss_attack": dmg["attack"] if dmg else None,
         "real_run": real,
         "clean_run": clean,
+        "harm": hrm,
         "targets_met": {},
         "detection": det,
         "damage": dmg,
@@ -685,6 +933,8 @@ def main(argv=None) -> int:
             "clean_no_honest_ban": result["clean_summary"]["runs_with_a_ban"] == 0,
             "clean_averaging_on": all(min(r["averaging_rounds_applied"], default=0) > 0 for r in clean.values()),
         })
+    if hrm:
+        result["targets_met"]["harm_every_family"] = {f: v["ok"] for f, v in hrm["families"].items()}
     result["part"] = args.part
     print(json.dumps(result, indent=1))
     return 0

@@ -32,10 +32,37 @@ adaptive   mimics the reference: sends the honest token vectors *permuted across
            honest per-channel mean and covariance (all first and second moments matched).
 mixed      each call picks one of the other attacks at random
 ========== ==================================================================================
+
+Adaptive families, each with one strength parameter, built to pass SENTINEL's own statistics
+(docs/SENTINEL.md, "Adaptive adversary"); the benchmark sweeps their strength and measures the
+harm each setting does to the receiver:
+
+========== ==================================================================================
+swap       the codes of a random ``fraction`` (0.1) of positions permuted among themselves: the
+           multiset of token vectors is exactly the honest one (every permutation-invariant
+           statistic unchanged) while those positions carry other tokens' content
+ctxswap    codes permuted only among positions with the SAME token id (``fraction`` 1.0 of the
+           positions take part): every statistic keyed by the token id is unchanged too; what
+           is lost is each position's context (needs the microbatch's ids; without them the
+           honest tensor is sent)
+rotate     the centred codes of a ``fraction`` (1.0) of positions rotated by ``angle`` (0.5 rad)
+           in a random 2-plane of the k coordinates: channel means and token norms about the
+           mean kept
+flip       on a ``fraction`` (0.1) of positions, ``dims`` (2) random coordinates reflected about
+           their channel mean (x -> 2 mu - x): channel means and RMS kept in expectation
+drift      a bias along a fixed random direction growing by ``rate`` (0.02) of each token's norm
+           per tensor sent: slow enough to move any reference that follows the sender
+fence      white-box: reads the receiver's verifier (``oracle``: tensor -> score; without one, a
+           shadow SENTINEL fed its own honest outputs, since the code and the manifest are
+           public) and sends the strongest of several harmful edits (positions permuted,
+           negated, ... on all positions blended, or on a subset) whose score stays below
+           ``margin`` (0.9) of the fence
+========== ==================================================================================
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -58,9 +85,12 @@ class Attack:
     def __init__(self, start: int = 0, seed: int = 0):
         self.start = start
         self.gen = torch.Generator().manual_seed(seed)
+        self.ids: Tensor | None = None  # the microbatch's token ids (B, L), when the caller has them
 
-    def __call__(self, x: Tensor, step: int) -> Tensor:
-        self.observe(x, step)
+    def __call__(self, x: Tensor, step: int, ids: Tensor | None = None) -> Tensor:
+        self.ids = ids
+        with torch.no_grad():
+            self.observe(x, step)
         if step < self.start:
             return x
         with torch.no_grad():
@@ -226,6 +256,7 @@ class Mixed(Attack):
 
     def observe(self, x, step):
         for a in self.attacks:
+            a.ids = self.ids
             a.observe(x, step)
 
     def poison(self, x, step):
@@ -233,8 +264,222 @@ class Mixed(Attack):
         return self.attacks[i].poison(x, step)
 
 
+# ----------------------------------------------------------------------------- adaptive families
+
+
+def _fraction(name: str, fraction: float) -> float:
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{name}: fraction must be in (0, 1], got {fraction}")
+    return fraction
+
+
+class Swap(Attack):
+    """A random ``fraction`` of positions exchange their codes (a random permutation among them)."""
+
+    name = "swap"
+
+    def __init__(self, fraction: float = 0.1, **kw):
+        super().__init__(**kw)
+        self.fraction = _fraction(self.name, fraction)
+
+    def poison(self, x, step):
+        X = x.reshape(-1, x.shape[-1]).clone()
+        n = X.shape[0]
+        m = max(2, round(self.fraction * n))
+        pos = torch.randperm(n, generator=self.gen)[:m]
+        X[pos] = X[pos[torch.roll(torch.arange(m), 1)]]  # a cycle: every chosen position moves
+        return X.reshape(x.shape)
+
+
+class CtxSwap(Attack):
+    """Codes permuted among positions that share a token id: per-token statistics unchanged,
+    each position's context (what earlier stages computed from the tokens before it) lost."""
+
+    name = "ctxswap"
+
+    def __init__(self, fraction: float = 1.0, **kw):
+        super().__init__(**kw)
+        self.fraction = _fraction(self.name, fraction)
+
+    def poison(self, x, step):
+        if self.ids is None or tuple(self.ids.shape) != tuple(x.shape[:2]):
+            return x
+        X = x.reshape(-1, x.shape[-1])
+        src = same_id_cycle(self.ids, self.fraction, self.gen).to(X.device)
+        return X[src].reshape(x.shape)
+
+
+def same_id_cycle(ids: Tensor, fraction: float, gen: torch.Generator) -> Tensor:
+    """Source position (into ``ids.reshape(-1)``) for every position: a random ``fraction`` of the
+    positions take part, and among those the positions of each token id pass their codes on in
+    a random cycle; the others (and ids that occur once) keep their own."""
+    ids = ids.reshape(-1).to(torch.long).cpu()
+    n = ids.shape[0]
+    src = torch.arange(n)
+    pos = torch.nonzero(torch.rand(n, generator=gen) < fraction).flatten()
+    if pos.numel() < 2:
+        return src
+    # sort by (id, random key): each id's run is then one random cycle
+    key = ids[pos].double() + torch.rand(pos.shape[0], generator=gen, dtype=torch.float64) * 0.5
+    pos = pos[torch.argsort(key)]
+    grp = ids[pos]
+    first = torch.ones_like(grp, dtype=torch.bool)
+    first[1:] = grp[1:] != grp[:-1]
+    last = torch.ones_like(first)
+    last[:-1] = first[1:]
+    run_start = torch.nonzero(first).flatten()[torch.cumsum(first.long(), 0) - 1]
+    nxt = torch.where(last, run_start, (torch.arange(pos.shape[0]) + 1).clamp_max(pos.shape[0] - 1))
+    src[pos] = pos[nxt]
+    return src
+
+
+class Rotate(Attack):
+    """Centred codes of a ``fraction`` of positions rotated by ``angle`` in a random 2-plane."""
+
+    name = "rotate"
+
+    def __init__(self, angle: float = 0.5, fraction: float = 1.0, **kw):
+        super().__init__(**kw)
+        self.angle, self.fraction = angle, _fraction(self.name, fraction)
+
+    def poison(self, x, step):
+        k = x.shape[-1]
+        X = x.reshape(-1, k).float()
+        Q, _ = torch.linalg.qr(torch.randn(k, 2, generator=self.gen, dtype=torch.float64))
+        Q = Q.float().to(X.device)
+        c, s = math.cos(self.angle), math.sin(self.angle)
+        R = torch.tensor([[c, -s], [s, c]], device=X.device)
+        mu = X.mean(0)
+        Z = X - mu
+        P = Z @ Q  # coordinates in the plane
+        Zr = Z + (P @ R.T - P) @ Q.T
+        take = (torch.rand(X.shape[0], generator=self.gen) < self.fraction).to(X.device).unsqueeze(1)
+        return torch.where(take, Zr + mu, X).reshape(x.shape)
+
+
+class Flip(Attack):
+    """On a ``fraction`` of positions, ``dims`` random coordinates reflected about their channel mean."""
+
+    name = "flip"
+
+    def __init__(self, fraction: float = 0.1, dims: int = 2, **kw):
+        super().__init__(**kw)
+        self.fraction = _fraction(self.name, fraction)
+        if dims < 1:
+            raise ValueError(f"flip: dims must be >= 1, got {dims}")
+        self.dims = dims
+
+    def poison(self, x, step):
+        k = x.shape[-1]
+        X = x.reshape(-1, k).float().clone()
+        mu = X.mean(0)
+        cols = torch.randperm(k, generator=self.gen)[: min(self.dims, k)].to(X.device)
+        rows = (torch.rand(X.shape[0], generator=self.gen) < self.fraction).to(X.device)
+        sub = X[rows][:, cols]
+        X[torch.nonzero(rows).flatten().unsqueeze(1), cols.unsqueeze(0)] = 2 * mu[cols] - sub
+        return X.reshape(x.shape)
+
+
+class Drift(Attack):
+    """A bias along a fixed random unit direction growing by ``rate`` of each token's norm per
+    tensor sent since ``start``."""
+
+    name = "drift"
+
+    def __init__(self, rate: float = 0.02, **kw):
+        super().__init__(**kw)
+        if rate <= 0:
+            raise ValueError(f"drift: rate must be positive, got {rate}")
+        self.rate, self.sent, self.u = rate, 0, None
+
+    def poison(self, x, step):
+        k = x.shape[-1]
+        if self.u is None or self.u.shape[0] != k:
+            u = torch.randn(k, generator=self.gen)
+            self.u = u / u.norm()
+        self.sent += 1
+        xf = x.float()
+        return xf + self.rate * self.sent * xf.norm(dim=-1, keepdim=True) * self.u.to(x.device)
+
+
+class Fence(Attack):
+    """White-box fence rider. ``oracle(tensor) -> score`` is the receiver's verdict score without
+    learning (``Sentinel.judge(..., commit=False)``); without one the attacker keeps a shadow
+    SENTINEL (``params``: the public manifest's settings) fed its own honest outputs and asks it.
+    Each call it tries several harmful edits e of the honest x -- all positions blended toward a
+    target, x + a(t - x), or the target on a random share a of the positions, for the targets
+    "positions permuted", "negated" and "tokens permuted with their ids' codes kept" -- finds by
+    bisection the largest a whose score stays <= ``margin``, and sends the edit that moves x the
+    most (the harm it can see is the size of the change)."""
+
+    name = "fence"
+
+    def __init__(self, margin: float = 0.9, oracle=None, params=None, steps: int = 6, **kw):
+        super().__init__(**kw)
+        if not 0 < margin:
+            raise ValueError(f"fence: margin must be positive, got {margin}")
+        self.margin, self.oracle, self.steps = margin, oracle, steps
+        self._shadow = None
+        self._params = params
+        self._n = 0
+
+    def observe(self, x, step):
+        if self.oracle is None:
+            if self._shadow is None:
+                from security.sentinel import Sentinel, SentinelParams
+
+                self._shadow = Sentinel(self._params or SentinelParams())
+            self._n += 1
+            for d in ("act", "grad"):  # which direction we send is not known here: both
+                self._shadow.judge("self", d, x, ids=self.ids, mb=("own", self._n))
+
+    def _score(self, t: Tensor) -> float:
+        if self.oracle is not None:
+            return float(self.oracle(t))
+        return min(float(self._shadow.judge("self", d, t, ids=self.ids, commit=False).score) for d in ("act", "grad"))
+
+    def poison(self, x, step):
+        xf = x.float()
+        X = xf.reshape(-1, xf.shape[-1])
+        n = X.shape[0]
+        perm = torch.randperm(n, generator=self.gen)
+        targets = [X[perm].reshape(xf.shape), -xf]
+        if self.ids is not None and tuple(self.ids.shape) == tuple(xf.shape[:2]):
+            targets.append(X[same_id_cycle(self.ids, 1.0, self.gen).to(X.device)].reshape(xf.shape))
+        order = torch.randperm(n, generator=self.gen)
+        rank = torch.empty(n, dtype=torch.long)
+        rank[order] = torch.arange(n)
+        u = (rank.float() / n).reshape(xf.shape[:-1]).unsqueeze(-1).to(xf.device)  # random order of positions
+        best, best_move = xf, 0.0
+        for target in targets:
+            for mode in ("blend", "subset"):
+                def edit(a, target=target, mode=mode):
+                    if mode == "blend":
+                        return xf + a * (target - xf)
+                    return torch.where(u < a, target, xf)
+                lo, hi = 0.0, 1.0
+                if self._score(edit(hi)) <= self.margin:
+                    lo = hi
+                else:
+                    for _ in range(self.steps):
+                        mid = (lo + hi) / 2
+                        if self._score(edit(mid)) <= self.margin:
+                            lo = mid
+                        else:
+                            hi = mid
+                if lo <= 0:
+                    continue
+                cand = edit(lo)
+                move = float((cand - xf).norm())
+                if move > best_move:
+                    best, best_move = cand, move
+        return best
+
+
 _SIMPLE = [Constant, Zeros, Random, Scaling, Negation, SignFlip, Delayed, Bias, Invisible, Adaptive]
-ATTACKS: dict[str, type[Attack]] = {cls.name: cls for cls in [*_SIMPLE, Mixed]}
+ADAPTIVE = [Swap, CtxSwap, Rotate, Flip, Drift, Fence]
+ATTACKS: dict[str, type[Attack]] = {cls.name: cls for cls in [*_SIMPLE, Mixed, *ADAPTIVE]}
+ADAPTIVE_FAMILIES = tuple(cls.name for cls in ADAPTIVE)
 
 
 def make_attack(name: str, **params) -> Attack:

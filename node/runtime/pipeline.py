@@ -235,7 +235,7 @@ class Pipeline:
         self.update_gauges()
         self._finish(ctx, "done")
         if self.index > 0:
-            await self.sender.send_bwd(ctx.mb, bwd.route, grad=gx, epoch=ctx.epoch)
+            await self.sender.send_bwd(ctx.mb, bwd.route, grad=gx, epoch=ctx.epoch, ids=ctx.ids_wire)
 
     # ------------------------------------------------------------------ finishing and dropping
 

@@ -56,7 +56,7 @@ class Sender:
         the deadline. Returns None when a replica accepted it (or the microbatch was dropped
         meanwhile, ``is_live`` false), else the ``Skip`` the caller drops it with."""
         if "act" in self.attacks:
-            code = self.attacks["act"](code, self.version()).contiguous()
+            code = self.attacks["act"](code, self.version(), ids=ctx.ids_wire).contiguous()
         extra = {} if horizon_s is None else {"horizon_s": round(float(horizon_s), 6)}
         frames = make_fwd(self.run_id, self.mhash, ctx.mb, self.index, self.version(), ctx.route, code,
                           ctx.ids_wire, epoch=self.morph.frame_epoch(ctx.epoch), **extra)
@@ -132,14 +132,15 @@ class Sender:
         return None
 
     async def send_bwd(self, mb: int, route: tuple[str, ...], grad: torch.Tensor | None = None,
-                       skip: Skip | None = None, epoch: int | None = None) -> bool:
+                       skip: Skip | None = None, epoch: int | None = None,
+                       ids: torch.Tensor | None = None) -> bool:
         """Gradient (or skip) to the stage before us on ``route``; a few retries on busy, then give up
         (upstream's TTL or probe frees its context)."""
         if self.index == 0 or len(route) < self.index:
             return False
         peer = route[self.index - 1]
         if grad is not None and "grad" in self.attacks:
-            grad = self.attacks["grad"](grad, self.version()).contiguous()
+            grad = self.attacks["grad"](grad, self.version(), ids=ids).contiguous()
         if skip is not None:
             frames = make_bwd(self.run_id, self.mhash, mb, self.index, self.version(), route, None,
                               skip=skip.reason, detail=skip.detail or skip.why, score=skip.score,
