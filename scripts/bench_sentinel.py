@@ -108,10 +108,12 @@ def parse_args(argv=None):
                     "--pick-strongest run (val loss +4.7%% vs clean on the test model)")
     ap.add_argument("--pick-strongest", action="store_true",
                     help="part 2 first trains once per attack without SENTINEL and uses the most damaging")
-    ap.add_argument("--harm-steps", type=int, default=150, help="--part harm: training steps")
+    ap.add_argument("--harm-steps", type=int, default=130, help="--part harm: training steps")
     ap.add_argument("--harm-start", type=int, default=80, help="--part harm: step the attacks begin")
     ap.add_argument("--harm-families", default="",
                     help="--part harm: comma list of families to sweep (default: all of HARM_FAMILIES and HARM_FIXED)")
+    ap.add_argument("--harm-off", default="",
+                    help="--part harm: comma list of SENTINEL distances not judged (ablation, e.g. pos,ctx,cum)")
     ap.add_argument("--harm-lag", type=int, default=0,
                     help="--part harm: the honest twin replica's weights are this many steps old "
                     "(0: the manifest's asyncmesh.avg_every, the steps between two averaging rounds)")
@@ -222,7 +224,7 @@ def _three_stage_layout(n_layers: int):
     return ((0, max(1, a)), (max(1, a), max(2, b)), (max(2, b), n_layers))
 
 
-def make_verifier(m, kappa, warmup, seed):
+def make_verifier(m, kappa, warmup, seed, off=()):
     s = m.sentinel
     overrides = {}
     if kappa is not None:
@@ -231,7 +233,7 @@ def make_verifier(m, kappa, warmup, seed):
         overrides["warmup"] = warmup
     cfg = type("Cfg", (), {f: overrides.get(f, getattr(s, f))
                            for f in ("beta_act", "beta_grad", "n_projections", "warmup", "window", "kappa")})
-    return SentinelVerifier.from_config(cfg, k=m.k, seq_len=m.model.seq_len, seed=seed)
+    return SentinelVerifier.from_config(cfg, k=m.k, seq_len=m.model.seq_len, seed=seed, off=tuple(off))
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -416,15 +418,15 @@ def _sentinel_settings(v: SentinelVerifier) -> dict:
 # Adaptive families swept in strength (security.attacks, docs/SENTINEL.md "Adaptive adversary"),
 # the classic attacks swept where they have a strength, and the rest at their defaults.
 HARM_FAMILIES = {
-    "swap": ("fraction", (0.01, 0.03, 0.1, 0.3)),
+    "swap": ("fraction", (0.02, 0.1)),
     "ctxswap": ("fraction", (0.3, 1.0)),
-    "rotate": ("angle", (0.1, 0.3, 1.0)),
-    "flip": ("fraction", (0.05, 0.2, 0.6)),
-    "drift": ("rate", (0.005, 0.02)),
-    "fence": ("margin", (0.5, 0.9)),
-    "invisible": ("rel", (0.1, 0.3, 1.0)),
-    "bias": ("scale", (0.1, 0.25, 0.5)),
-    "scaling": ("factor", (1.2, 1.5, 3.0)),
+    "rotate": ("angle", (0.2, 1.0)),
+    "flip": ("fraction", (0.05, 0.3)),
+    "drift": ("rate", (0.01,)),
+    "fence": ("margin", (0.9,)),
+    "invisible": ("rel", (0.3, 1.0)),
+    "bias": ("scale", (0.25,)),
+    "scaling": ("factor", (1.5,)),
 }
 HARM_FIXED = ("constant", "zeros", "random", "negation", "sign_flip", "delayed", "adaptive", "mixed")
 
@@ -529,7 +531,7 @@ def harm(args) -> dict:
     twin = build_stage(m, 1)
     snaps: collections.deque = collections.deque(maxlen=lag + 1)
     head_params = [p for p in head.parameters() if p.requires_grad]
-    settings = dict(kappa=args.kappa, warmup=args.warmup)
+    settings = dict(kappa=args.kappa, warmup=args.warmup, off=[o for o in args.harm_off.split(",") if o])
     cases = harm_cases(args.harm_families)
     runs = {}
     for i, (case, (fam, attack, kw)) in enumerate(cases.items()):
@@ -543,6 +545,7 @@ def harm(args) -> dict:
                 if attack == "fence":  # white-box: the receiver's own verdict, without learning
                     extra["oracle"] = (lambda t, run=run, r=r, d=d, node=node:
                                        run[node].sentinel.judge(r, d, t, ids=run["ids"], commit=False).score)
+                    extra["steps"] = 6
                 atk[(r, d)] = make_attack(attack, start=args.harm_start, seed=1000 * i + j, **kw, **extra)
         run["attack"] = atk
         runs[case] = run
@@ -643,7 +646,7 @@ def harm(args) -> dict:
                           "malicious": sorted(sw.malicious), "lag": lag,
                           "harm": "act: |Δ centred tail logits| / |tail logits|; grad: |Δ head param grad| / |head param grad|",
                           "sentinel": _sentinel_settings(runs[next(iter(runs))]["tail"]),
-                          "flags_to_ban": m.sentinel.flags_to_ban},
+                          "flags_to_ban": m.sentinel.flags_to_ban, "off": settings["off"]},
     }
 
 

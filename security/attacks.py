@@ -414,7 +414,7 @@ class Fence(Attack):
 
     name = "fence"
 
-    def __init__(self, margin: float = 0.9, oracle=None, params=None, steps: int = 6, **kw):
+    def __init__(self, margin: float = 0.9, oracle=None, params=None, steps: int = 8, **kw):
         super().__init__(**kw)
         if not 0 < margin:
             raise ValueError(f"fence: margin must be positive, got {margin}")

@@ -62,7 +62,9 @@ import torch
 from torch import Tensor
 
 DIRECTIONS = ("act", "grad")
-DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc")
+DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "cum")
+# the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
+SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,10 @@ class SentinelParams:
     reject_weight: float = 0.1  # rejected tensors move the references at this fraction of the rate
     shift_horizon: int = 32  # senders heard from in this many tensors vote on a stage-wide shift
     shift_reach: float = 10.0  # during a shift, scores up to this are accepted and followed
+    pos_c: float = 6.0  # pos: a position is an outlier when its squared residual is > pos_c x its row's usual one
+    ctx_buckets: int = 16384  # context table rows: (previous, current) token pair -> hash % ctx_buckets
+    beta_ratio: float = 0.85  # cum: EMA decay of a sender's own fence ratios, per tensor of its own
+    off: tuple = ()  # distances not judged (ablations: bench_sentinel --harm-off)
     sender_window: int = 12  # a sender's own recent accepted distances (its fence)
     sender_min: int = 5  # ... counted once it holds this many
     max_senders: int = 1024  # per-sender records kept (least recently seen dropped)
@@ -94,15 +100,17 @@ class SentinelParams:
 
     def __post_init__(self):
         if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1
-                and 0 <= self.beta_cum < 1):
-            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1), beta_cum in [0, 1)")
+                and 0 <= self.beta_cum < 1 and 0 <= self.beta_ratio < 1):
+            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1), beta_cum and beta_ratio in [0, 1)")
+        if self.pos_c <= 1:
+            raise ValueError(f"sentinel: pos_c must be > 1, got {self.pos_c}")
         if self.warmup < 2:
             raise ValueError(f"sentinel: warmup must be >= 2 (a fence needs distances), got {self.warmup}")
         if self.window < 4:
             raise ValueError(f"sentinel: window must be >= 4, got {self.window}")
         if self.kappa <= 0 or self.iqr_floor < 0 or self.clip <= 0 or self.shift_reach < 1:
             raise ValueError("sentinel: kappa and clip must be > 0, iqr_floor >= 0, shift_reach >= 1")
-        for name in ("n_projections", "n_quantiles", "token_buckets", "max_tokens", "max_senders", "min_window",
+        for name in ("n_projections", "n_quantiles", "token_buckets", "ctx_buckets", "max_tokens", "max_senders", "min_window",
                      "shift_horizon", "sender_window", "sender_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sentinel: {name} must be positive, got {getattr(self, name)}")
@@ -110,6 +118,9 @@ class SentinelParams:
             raise ValueError(f"sentinel: reject_weight must be in [0, 1], got {self.reject_weight}")
         if self.replay_window < 0:
             raise ValueError("sentinel: replay_window must be >= 0")
+        unknown = set(self.off) - set(DISTANCES)
+        if unknown:
+            raise ValueError(f"sentinel: off names unknown distances {sorted(unknown)}")
 
     def beta(self, direction: str) -> float:
         return self.beta_act if direction == "act" else self.beta_grad
@@ -217,6 +228,8 @@ class TokenTable:
         self.buckets, self.k, self.beta = buckets, k, beta
         self.table = torch.zeros(buckets, k)
         self.seen = torch.zeros(buckets, dtype=torch.bool)
+        self.var = torch.zeros(buckets)  # EMA of the mean squared residual ‖x − row‖² per row
+        self.var_seen = torch.zeros(buckets, dtype=torch.bool)
         self.count = 0
 
     @staticmethod
@@ -227,9 +240,36 @@ class TokenTable:
             x, ids = x[:, :-1], ids[:, 1:]
         return x.reshape(-1, x.shape[-1]), ids.reshape(-1).long().remainder(buckets)
 
+    @staticmethod
+    def pair_keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Token vectors (N', k) with two keys each: the token key of ``keys`` and a key of the
+        (previous, current) token pair -- activations: position t keyed by (id_{t−1}, id_t);
+        gradients: by (id_t, id_{t+1}), the input token and the label. The first position of
+        a row (activations) or the last (gradients) has no pair and is left out."""
+        ids = ids.to(x.device).long()
+        pair = (ids[:, :-1] * 65599 + ids[:, 1:]).remainder(buckets)
+        X = x[:, 1:] if direction == "act" else x[:, :-1]
+        return X.reshape(-1, x.shape[-1]), ids[:, 1:].reshape(-1), pair.reshape(-1)
+
     def _to(self, device: torch.device) -> None:
         if self.table.device != device:
             self.table, self.seen = self.table.to(device), self.seen.to(device)
+            self.var, self.var_seen = self.var.to(device), self.var_seen.to(device)
+
+    def outliers(self, X: Tensor, keys: Tensor, c: float) -> float | None:
+        """Share of the token vectors whose squared residual against their row is more than ``c``
+        times that row's usual one (``var``): positions carrying another token's code, or a
+        large edit of a few positions, which batch-wide statistics average away. None while
+        too few of the batch's rows have a residual scale."""
+        if self.count == 0 or X.shape[0] == 0:
+            return None
+        self._to(X.device)
+        known = self.seen[keys] & self.var_seen[keys]
+        n = int(known.sum())
+        if n < max(8, X.shape[0] // 4):
+            return None
+        r2 = (X[known] - self.table[keys[known]]).square().sum(1)
+        return float((r2 > c * self.var[keys[known]].clamp_min(1e-12)).float().mean())
 
     def agreement(self, X: Tensor, keys: Tensor) -> float | None:
         """Cosine between the centred token vectors and their ids' centred table rows (a
@@ -277,6 +317,14 @@ class TokenTable:
         old = self.table[present]
         fresh = ~self.seen[present]
         a = (1 - self.beta) * weight
+        # the rows' residual scale, against the rows as they were (before this batch moves them)
+        r2 = (X - self.table[keys]).square().sum(1)
+        r2_sum = torch.zeros(self.buckets, device=X.device).index_add_(0, keys, r2)
+        had = present & self.seen
+        mean_r2 = r2_sum[had] / counts[had].float()
+        vs = self.var_seen[had]
+        self.var[had] = torch.where(vs, (1 - a) * self.var[had] + a * mean_r2, mean_r2)
+        self.var_seen[had] = True
         new = torch.where(fresh.unsqueeze(1), means, (1 - a) * old + a * means)
         if weight < 1.0:  # a rejected tensor never creates a row, it only nudges existing ones
             new = torch.where(fresh.unsqueeze(1), old, new)
@@ -300,13 +348,39 @@ class TokenTable:
         return out
 
 
+def context_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tensor, tok: Tensor,
+                      pair: Tensor) -> float | None:
+    """Correlation between what a position carries beyond its token's row, x_t − T[id_t], and
+    what its token *pair* usually carries beyond it, C[pair_t] − T[id_t] (``ctx`` is an EMA
+    table keyed by the (previous, current) token pair, ``TokenTable.pair_keys``). Honest
+    codes depend on their context, and the previous token is part of it; codes exchanged
+    between positions of the same token (every per-token statistic unchanged) lose that
+    dependence. None while too few positions have both rows."""
+    if table is None or ctx is None or table.count == 0 or ctx.count == 0 or X.shape[0] == 0:
+        return None
+    table._to(X.device)
+    ctx._to(X.device)
+    known = table.seen[tok] & ctx.seen[pair]
+    if int(known.sum()) < max(32, X.shape[0] // 8):
+        return None
+    base = table.table[tok[known]]
+    R = X[known] - base
+    C = ctx.table[pair[known]] - base
+    R = R - R.mean(0)
+    C = C - C.mean(0)
+    den = (R.square().sum() * C.square().sum()).sqrt()
+    if float(den) <= 0.0:
+        return 0.0
+    return float((R * C).sum() / den)
+
+
 # ----------------------------------------------------------------------------- fences
 
 
 # Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
 # honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
 # Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
-SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02}
+SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02, "pos": 0.002, "ctx": 0.02, "cum": 0.1}
 
 
 def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) -> float:
@@ -355,6 +429,7 @@ class SenderRecord:
     seen: int = 0
     rejected: int = 0
     tok_ema: float | None = None  # EMA of its tok distance over all its tensors (for tokc)
+    ratio_ema: dict | None = None  # EMA of its single-tensor fence ratios, capped at 1 (for cum)
 
 
 def median_stats(items: list[Stats]) -> Stats:
@@ -367,6 +442,7 @@ def median_stats(items: list[Stats]) -> Stats:
 class _Direction:
     def __init__(self, params: SentinelParams):
         self.table: TokenTable | None = None
+        self.ctx: TokenTable | None = None  # rows keyed by (previous, current) token pair
         self.windows = {name: deque(maxlen=params.window) for name in DISTANCES}  # all senders
         self.hashes: OrderedDict[bytes, object] = OrderedDict()
         self.senders: OrderedDict[str, SenderRecord] = OrderedDict()
@@ -602,13 +678,18 @@ class Sentinel:
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
         ref = self._reference(state, sender)
         d = distances(s, ref) if ref is not None else {}
-        tX = tkeys = tok_ema = None
+        tX = tkeys = tok_ema = ratio_ema = None
+        cX = cpair = None
         if ids is not None:
             tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
+            cX, ctok, cpair = TokenTable.pair_keys(Xn.view(x.shape), ids, direction, p.ctx_buckets)
             if state.table is not None and state.table.k == k:
-                for name, value in (("tok", state.table.agreement(tX, tkeys)), ("shift", state.table.shift(tX, tkeys))):
+                for name, value in (("tok", state.table.agreement(tX, tkeys)), ("shift", state.table.shift(tX, tkeys)),
+                                    ("pos", state.table.outliers(tX, tkeys, p.pos_c)),
+                                    ("ctx", context_agreement(state.table, state.ctx, cX,
+                                                              ctok.remainder(p.token_buckets), cpair))):
                     if value is not None:
-                        d[name] = 1.0 - value if name == "tok" else value
+                        d[name] = 1.0 - value if name in ("tok", "ctx") else value
             if "tok" in d:
                 d["tokc"], tok_ema = self._tokc(state, sender, d["tok"])
 
@@ -616,6 +697,11 @@ class Sentinel:
         if state.accepted >= p.warmup:
             basis = "reference"
             fences = self._fences(state)
+            cum, ratio_ema = self._cum(state, sender, d, fences)
+            if cum is not None:
+                d["cum"] = cum
+            for name in p.off:
+                d.pop(name, None)
             score, worst = self._score(d, fences)
             if score > 1.0:
                 for partner in self._partners(state, sender):
@@ -631,7 +717,47 @@ class Sentinel:
         verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis)
         if commit:
             self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, tok_ema)
+            if ratio_ema is not None:
+                state.senders[sender].ratio_ema = ratio_ema
+            if cX is not None and accept:
+                table_weight = p.reject_weight if basis == "shift" else 1.0
+                if state.ctx is None or state.ctx.k != k:
+                    state.ctx = TokenTable(p.ctx_buckets, k, p.beta_tok)
+                state.ctx.update(cX, cpair, table_weight)
         return verdict
+
+    def _cum(self, state: _Direction, sender: str, d: dict[str, float],
+             fences: dict[str, float]) -> tuple[float | None, dict | None]:
+        """(cum, the sender's updated ratio EMAs). Per single-tensor distance, the sender's fence
+        ratio (distance / fence, capped at 1: a rejected tensor is dropped anyway and must not
+        haunt an honest sender's average) averaged over its own tensors (EMA ``beta_ratio``,
+        rejected ones included, a newcomer starting from the others' median); cum = the largest
+        excess of these averages over the median of the other voters' averages, floored at 0.
+        An attacker that stays just inside the fences on every tensor (the white-box fence
+        rider) sits near 1 on its chosen distance while honest senders average well below; a
+        change every honest sender shares moves the median with it. Judged, like ``tokc``,
+        only against at least two other voters (of two replicas neither is the odd one)."""
+        rec = state.senders.get(sender)
+        others = [r.ratio_ema for r in self._voters(state) if r.ratio_ema is not None and r is not rec]
+        prev = rec.ratio_ema if rec is not None and rec.ratio_ema is not None else {}
+        b = self.params.beta_ratio
+        ema, cum = {}, 0.0
+        for name in SINGLE:
+            fence = fences.get(name, math.inf)
+            if name not in d or not math.isfinite(fence) or fence <= 0 or not math.isfinite(d[name]):
+                if name in prev:
+                    ema[name] = prev[name]
+                continue
+            ratio = min(1.0, d[name] / fence)
+            vals = [o[name] for o in others if name in o]
+            med = statistics.median(vals) if len(vals) >= 2 else None
+            start = prev.get(name, med)
+            ema[name] = ratio if start is None else b * start + (1 - b) * ratio
+            if med is not None:
+                cum = max(cum, ema[name] - med)
+        if len(others) < 2:
+            return None, ema
+        return cum, ema
 
     def _tokc(self, state: _Direction, sender: str, tok: float) -> tuple[float, float]:
         """(tokc, the sender's updated tok EMA). tokc: how far the sender's ``tok`` distance,

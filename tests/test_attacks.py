@@ -19,7 +19,8 @@ def rms(x):
 
 def test_registry_and_errors():
     assert set(ATTACKS) == {"constant", "zeros", "random", "scaling", "negation", "sign_flip", "delayed",
-                            "bias", "invisible", "adaptive", "mixed"}
+                            "bias", "invisible", "adaptive", "mixed",
+                            "swap", "ctxswap", "rotate", "flip", "drift", "fence"}
     with pytest.raises(ValueError, match="unknown attack 'nope'"):
         make_attack("nope")
     with pytest.raises(ValueError, match="bad parameters"):
@@ -44,8 +45,9 @@ def test_check_attack_allowed():
 def test_inactive_before_start_and_keeps_shape_and_dtype(name):
     atk = make_attack(name, start=5, seed=1)
     x = honest().to(torch.bfloat16)
-    assert torch.equal(atk(x, 4), x)
-    out = atk(x, 5)
+    ids = torch.randint(0, 4, x.shape[:2], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(atk(x, 4, ids=ids), x)
+    out = atk(x, 5, ids=ids)
     assert out.shape == x.shape and out.dtype == x.dtype
     if name not in ("delayed",):  # a delayed attack replays the oldest it has, here x itself
         assert not torch.equal(out, x), name
@@ -113,3 +115,83 @@ def test_mixed_uses_several_attacks():
     x = honest()
     outs = {tuple(atk(x, i).flatten()[:4].tolist()) for i in range(30)}
     assert len(outs) > 5
+
+
+# ----------------------------------------------------------------------------- adaptive families
+
+
+def rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def test_swap_moves_the_requested_share_and_keeps_the_multiset():
+    x = honest(shape=(8, 64, 8))
+    out = make_attack("swap", fraction=0.1, seed=1)(x, 0)
+    assert torch.equal(torch.sort(rows(out), dim=0).values, torch.sort(rows(x), dim=0).values)
+    moved = float((rows(out) != rows(x)).any(dim=1).float().mean())
+    assert moved == pytest.approx(0.1, abs=0.01)
+
+
+def test_ctxswap_only_exchanges_codes_between_positions_of_the_same_token():
+    g = torch.Generator().manual_seed(3)
+    x = honest(shape=(8, 64, 8))
+    ids = torch.randint(0, 16, (8, 64), generator=g)
+    out = make_attack("ctxswap", seed=2)(x, 0, ids=ids)
+    X, Y, flat = rows(x), rows(out), ids.reshape(-1)
+    moved = (Y != X).any(dim=1)
+    assert float(moved.float().mean()) > 0.9  # (nearly) every position carries another one's code
+    for i in torch.nonzero(moved).flatten().tolist():  # ... of a position with the same token id
+        src = torch.nonzero((X == Y[i]).all(dim=1)).flatten()
+        assert bool((flat[src] == flat[i]).any())
+    for tok in flat.unique().tolist():  # so every per-token mean is exactly the honest one
+        sel = flat == tok
+        assert torch.allclose(Y[sel].mean(0), X[sel].mean(0), atol=1e-5)
+    # without the ids it cannot know which positions share a token: it sends the honest tensor
+    assert torch.equal(make_attack("ctxswap")(x, 0), x)
+
+
+def test_rotate_and_flip_keep_channel_means_and_norms_about_them():
+    x = honest(shape=(8, 64, 8))
+    out = make_attack("rotate", angle=0.7, seed=4)(x, 0)
+    mu = rows(x).mean(0)
+    assert torch.allclose(rows(out).mean(0), mu, atol=1e-4)
+    assert torch.allclose((rows(out) - mu).norm(dim=1), (rows(x) - mu).norm(dim=1), rtol=1e-4)
+    assert float((out - x).norm() / x.norm()) > 0.1
+    f = make_attack("flip", fraction=0.2, dims=2, seed=5)(x, 0)
+    changed = (rows(f) != rows(x))
+    assert int(changed.any(dim=0).sum()) == 2  # two coordinates
+    assert float(changed.any(dim=1).float().mean()) == pytest.approx(0.2, abs=0.04)
+    assert torch.allclose((rows(f) - mu).abs(), (rows(x) - mu).abs(), atol=1e-4)  # reflected about the mean
+
+
+def test_drift_grows_by_rate_per_tensor():
+    x = honest()
+    atk = make_attack("drift", rate=0.01, start=2, seed=6)
+    rel = [float((atk(x, t) - x).norm() / x.norm()) for t in range(6)]
+    assert rel[:2] == [0.0, 0.0]
+    assert rel[2:] == pytest.approx([0.01, 0.02, 0.03, 0.04], rel=1e-3)
+
+
+def test_fence_rider_stays_inside_the_oracles_fence_and_moves_as_far_as_it_may():
+    """A white-box oracle whose score is the relative size of the edit over 0.2: the rider sends an
+    edit with score <= margin, nearly at it (bisection), never an honest copy when an edit fits."""
+    x = honest(shape=(4, 32, 8))
+    score = lambda t: float((t - x).norm() / x.norm()) / 0.2  # noqa: E731
+    for margin in (0.3, 0.9):
+        out = make_attack("fence", margin=margin, oracle=score, seed=7)(x, 0)
+        assert margin * 0.9 <= score(out) <= margin
+    # an oracle that refuses everything but the honest tensor gets the honest tensor
+    strict = make_attack("fence", oracle=lambda t: 0.0 if torch.equal(t, x) else 5.0)
+    assert torch.equal(strict(x, 0), x)
+
+
+def test_fence_rider_without_an_oracle_asks_a_shadow_sentinel_fed_its_own_outputs():
+    g = torch.Generator().manual_seed(8)
+    E = torch.randn(32, 8, generator=g)
+    atk = make_attack("fence", margin=0.9, start=30, seed=9)
+    for t in range(31):
+        ids = torch.randint(0, 32, (4, 32), generator=g)
+        x = E[ids] + 0.3 * torch.randn(4, 32, 8, generator=g)
+        out = atk(x, t, ids=ids)
+    assert atk._shadow is not None and not torch.equal(out, x)
+    assert atk._shadow.judge("self", "act", out, ids=ids, commit=False).score <= 0.9

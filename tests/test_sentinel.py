@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from security import ATTACKS, make_attack
+from security.attacks import ADAPTIVE_FAMILIES
 from security.sentinel import (
     DISTANCES,
     Sentinel,
@@ -19,6 +20,7 @@ from security.sentinel import (
     Stats,
     TokenTable,
     compute_stats,
+    context_agreement,
     distances,
     normalize,
     projections,
@@ -140,6 +142,69 @@ def test_token_table_agreement_and_shift():
     assert Xg.shape[0] == 4 * 63 and torch.equal(kg, ids[:, 1:].reshape(-1))
 
 
+
+def test_position_outliers_see_a_few_swapped_positions():
+    """pos: the share of positions whose residual against their token's row is more than pos_c
+    times the row's usual one. Honest codes (row + noise): ~0; 5% of the positions carrying
+    another token's code: ~5%, although every batch-wide statistic of the swap is unchanged."""
+    g = torch.Generator().manual_seed(3)
+    E = 3 * torch.randn(32, K, generator=g)
+    tab = TokenTable(128, K, 0.9)
+
+    def batch():
+        ids = torch.randint(0, 32, (8, 64), generator=g)
+        return TokenTable.keys(E[ids] + torch.randn(8, 64, K, generator=g), ids, "act", 128)
+
+    assert tab.outliers(*batch(), 6.0) is None  # no residual scale yet
+    for _ in range(5):
+        tab.update(*batch())
+    X, keys = batch()
+    assert tab.outliers(X, keys, 6.0) < 0.005
+    n = X.shape[0]
+    pos = torch.randperm(n, generator=g)[: n // 20]
+    Xs = X.clone()
+    Xs[pos] = X[pos.roll(1)]
+    assert tab.outliers(Xs, keys, 6.0) == pytest.approx(0.05, abs=0.01)
+    # a large edit of a few positions is one too
+    Xe = X.clone()
+    Xe[pos] = X[pos] * -1.0
+    assert tab.outliers(Xe, keys, 6.0) > 0.04
+
+
+def test_context_agreement_sees_codes_exchanged_between_positions_of_one_token():
+    """ctx: codes that depend on the previous token as well (x = E[id] + F[prev] + noise) agree with
+    the pair table; exchanging codes among positions of the same token keeps every per-token
+    statistic (tok, shift, pos) and destroys that agreement."""
+    g = torch.Generator().manual_seed(4)
+    V = 16
+    E, F = 3 * torch.randn(V, K, generator=g), torch.randn(V, K, generator=g)
+    tab, ctx = TokenTable(64, K, 0.9), TokenTable(4096, K, 0.9)
+
+    def batch():
+        ids = torch.randint(0, V, (8, 64), generator=g)
+        prev = torch.roll(ids, 1, dims=1)
+        return ids, E[ids] + F[prev] + 0.3 * torch.randn(8, 64, K, generator=g)
+
+    for _ in range(8):
+        ids, x = batch()
+        tab.update(*TokenTable.keys(x, ids, "act", 64))
+        cX, _, pair = TokenTable.pair_keys(x, ids, "act", 4096)
+        ctx.update(cX, pair)
+    ids, x = batch()
+    cX, ctok, pair = TokenTable.pair_keys(x, ids, "act", 4096)
+    honest = context_agreement(tab, ctx, cX, ctok, pair)
+    swapped = make_attack("ctxswap", seed=1)(x, 0, ids=ids)
+    sX, _, _ = TokenTable.pair_keys(swapped, ids, "act", 4096)
+    assert honest > 0.7 and context_agreement(tab, ctx, sX, ctok, pair) < 0.2
+    X, keys = TokenTable.keys(x, ids, "act", 64)
+    Xs, _ = TokenTable.keys(swapped, ids, "act", 64)
+    assert tab.agreement(Xs, keys) == pytest.approx(tab.agreement(X, keys), abs=0.02)
+    # pairs: activations keyed by (previous, current), gradients by (current, next)
+    Xg, tg, pg = TokenTable.pair_keys(x, ids, "grad", 4096)
+    assert torch.equal(Xg, x[:, :-1].reshape(-1, K)) and torch.equal(tg, ids[:, 1:].reshape(-1))
+    assert torch.equal(pg, pair)
+
+
 # ---------------------------------------------------------------------------- the detector
 
 
@@ -185,8 +250,10 @@ def test_new_honest_peer_is_accepted_and_new_malicious_peer_rejected():
 
 @pytest.mark.parametrize("direction", ["act", "grad"])
 def test_every_attack_is_flagged_after_warmup(direction):
+    """The classic attacks at their default strengths (the adaptive families are swept in strength
+    against harm by bench_sentinel --part harm, and their checks tested one by one below)."""
     data = list(stream(84, direction=direction, seed=6))
-    for name in ATTACKS:
+    for name in (a for a in ATTACKS if a not in ADAPTIVE_FAMILIES):
         sen = Sentinel(SentinelParams(warmup=10))
         atk = make_attack(name, start=45, seed=2, **({"delay": 20} if name == "delayed" else {}))
         flagged = honest_flags = 0
@@ -443,7 +510,7 @@ def test_replay_is_rejected_and_retransmission_is_not():
     for t, (ids, x) in enumerate(data):
         out = noisy(x, t)
     j = sen.judge("b", "act", out, data[19][0], mb=100)
-    assert not j.accept and j.reason in ("sentinel:tok", "sentinel:tokc", "sentinel:shift"), j
+    assert not j.accept and j.reason in ("sentinel:tok", "sentinel:tokc", "sentinel:shift", "sentinel:pos"), j
 
 
 def test_commit_false_learns_nothing_and_reference_tensor():
@@ -513,3 +580,35 @@ def test_bench_clean_summary_counts_false_positives_per_node():
     assert tail == {"steps": 300.0, "judged": 100, "rejected": 3, "fpr": 0.03,
                     "reject_reasons": {"sentinel:swd": 2.0, "sentinel:tok": 1.0}, "bans": 1}
     assert out["per_node"]["head"]["fpr"] == 0.0 and out["per_node"]["body0"]["fpr"] is None
+
+
+def test_a_sender_riding_just_inside_the_fences_is_caught_by_cum():
+    """A white-box insider that reads the fences and scales every tensor up as far as every
+    single-tensor check allows (score <= 0.9, by bisection) passes them all; its fence ratio
+    averaged over its own tensors sits near 0.9 while the honest senders' averages sit far
+    lower, so ``cum`` flags it after a few tensors, and no honest sender."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 60, senders=("a", "b", "c", "m"), seed=41)
+
+    def single_score(t, ids):  # the verdict without cum and without learning
+        j = sen.judge("m", "act", t, ids, commit=False)
+        f = sen.fences("act")
+        return max(v / f[k] for k, v in j.distances.items() if k != "cum")
+
+    single, reasons, honest_rejected = [], [], 0
+    for t, (ids, x) in enumerate(stream(80, seed=42)):
+        sender = "abcm"[t % 4]
+        if sender != "m":
+            honest_rejected += not sen.judge(sender, "act", x, ids).accept
+            continue
+        lo, hi = 0.0, 0.2
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if single_score(x * math.exp(mid), ids) <= 0.9 else (lo, mid)
+        ride = x * math.exp(lo)
+        single.append(single_score(ride, ids))
+        reasons.append(sen.judge("m", "act", ride, ids).reason)
+    assert max(single) <= 0.9 and min(single) > 0.85  # inside every single-tensor fence, every time
+    assert reasons[:2] == [None, None]  # it takes a few tensors to add up ...
+    assert reasons[5:].count("sentinel:cum") >= 13, reasons  # ... then it is flagged (of 15)
+    assert honest_rejected <= 2
