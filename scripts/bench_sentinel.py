@@ -457,6 +457,7 @@ class HarmTally:
         self.rows: list[tuple[str, str, bool, float, bool]] = []  # sender, direction, rejected, harm, before its ban
         self.fp = self.judged_honest = 0
         self.reasons: dict[str, int] = {}
+        self.honest_reasons: dict[str, int] = {}
 
     def add(self, sender: str, direction: str, malicious: bool, verdict, step: int, harm: float | None) -> None:
         if step < self.start:
@@ -469,6 +470,8 @@ class HarmTally:
         else:
             self.fp += rejected
             self.judged_honest += 1
+            if rejected:
+                self.honest_reasons[verdict.reason] = self.honest_reasons.get(verdict.reason, 0) + 1
         if self.bans[direction].record(sender, rejected, float(step), weight=ban_weight(verdict, self.margin)):
             self.banned_at.setdefault(sender, step)
 
@@ -495,7 +498,7 @@ class HarmTally:
             out["under_fence"][d] = round(max(unb), 5) if unb else 0.0
         out["banned"] = sorted(s for s in malicious if s in self.banned_at)
         out["ban_delay_steps"] = {s: self.banned_at[s] - self.start for s in sorted(malicious) if s in self.banned_at}
-        out["honest_rejected"] = [self.fp, self.judged_honest]
+        out["honest_rejected"] = [self.fp, self.judged_honest, self.honest_reasons]
         out["reasons"] = dict(sorted(self.reasons.items(), key=lambda kv: -kv[1]))
         return out
 

@@ -257,10 +257,13 @@ class TokenTable:
             self.var, self.var_seen = self.var.to(device), self.var_seen.to(device)
 
     def outliers(self, X: Tensor, keys: Tensor, c: float) -> float | None:
-        """Share of the token vectors whose squared residual against their row is more than ``c``
-        times that row's usual one (``var``): positions carrying another token's code, or a
-        large edit of a few positions, which batch-wide statistics average away. None while
-        too few of the batch's rows have a residual scale."""
+        """How much of the batch lies far off its rows: z_t = ‖x_t − row‖² / (c · the row's usual
+        squared residual, ``var``); each position contributes clamp(z_t − 1, 0, 3) (nothing while
+        within c times its usual residual); the mean times √N. Positions carrying another token's
+        code, or a large edit of a few positions, which batch-wide statistics average away. The
+        √N makes the honest spread the same for any batch size (a binomial share's spread is
+        ∝ 1/√N), so one fence suits them all. None while too few of the batch's rows have a
+        residual scale."""
         if self.count == 0 or X.shape[0] == 0:
             return None
         self._to(X.device)
@@ -269,7 +272,8 @@ class TokenTable:
         if n < max(8, X.shape[0] // 4):
             return None
         r2 = (X[known] - self.table[keys[known]]).square().sum(1)
-        return float((r2 > c * self.var[keys[known]].clamp_min(1e-12)).float().mean())
+        z = r2 / (c * self.var[keys[known]].clamp_min(1e-12))
+        return float((z - 1.0).clamp(0.0, 3.0).mean()) * math.sqrt(n)
 
     def agreement(self, X: Tensor, keys: Tensor) -> float | None:
         """Cosine between the centred token vectors and their ids' centred table rows (a
@@ -380,7 +384,7 @@ def context_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tenso
 # Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
 # honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
 # Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
-SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02, "pos": 0.002, "ctx": 0.02, "cum": 0.1}
+SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02, "pos": 0.15, "ctx": 0.02, "cum": 0.1}
 
 
 def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) -> float:
