@@ -597,11 +597,13 @@ def make_attacks(name: str, seed: int = 0, **params) -> dict:
     """``--attack NAME`` (testing the verifier only): one attack instance per direction, ``act``
     for what we send forward and ``grad`` for what we send back, so a stateful attack (``delayed``)
     keeps a history of each and never replays an activation as a gradient."""
-    from security import STATE_ATTACKS, make_attack
+    from security import STATE_ATTACKS, make_attack, parse_attack
 
+    name, spec_params = parse_attack(name)
+    params = {**spec_params, **params}
     if name in STATE_ATTACKS:  # a replica that serves poisoned weights to joiners (testing their check)
         return {"state": name}
-    return {d: make_attack(name, seed=2 * seed + i, **params) for i, d in enumerate(("act", "grad"))}
+    return {d: make_attack(name, seed=2 * seed + i, direction=d, **params) for i, d in enumerate(("act", "grad"))}
 
 
 def make_verifier(manifest, index: int):

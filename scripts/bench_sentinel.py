@@ -549,7 +549,7 @@ def harm(args) -> dict:
                     extra["oracle"] = (lambda t, run=run, r=r, d=d, node=node:
                                        run[node].sentinel.judge(r, d, t, ids=run["ids"], commit=False).score)
                     extra["steps"] = 6
-                atk[(r, d)] = make_attack(attack, start=args.harm_start, seed=1000 * i + j, **kw, **extra)
+                atk[(r, d)] = make_attack(attack, start=args.harm_start, seed=1000 * i + j, direction=d, **kw, **extra)
         run["attack"] = atk
         runs[case] = run
 

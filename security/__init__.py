@@ -5,7 +5,7 @@ This is what the other packages may use; everything else is internal to security
 
 from security.attacks import (
     STATE_ATTACKS, poison_state,  # noqa: F401
-    ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack,
+    ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack, parse_attack,
 )
 from security.bans import (  # noqa: F401
     BanList, OneVersion, ban_weight, refusal_weight_of, verdict_score,
@@ -40,6 +40,7 @@ __all__ = [
     "ban_weight",
     "check_attack_allowed",
     "make_attack",
+    "parse_attack",
     "make_verifier",
     "refusal_weight_of",
     "verdict_score",

@@ -82,8 +82,10 @@ class Attack:
 
     name = "none"
 
-    def __init__(self, start: int = 0, seed: int = 0):
-        self.start = start
+    def __init__(self, start: int = 0, seed: int = 0, direction: str = "act"):
+        if direction not in ("act", "grad"):
+            raise ValueError(f"attack direction must be 'act' or 'grad', got {direction!r}")
+        self.start, self.direction = start, direction  # direction: what it poisons (keys its token ids)
         self.gen = torch.Generator().manual_seed(seed)
         self.ids: Tensor | None = None  # the microbatch's token ids (B, L), when the caller has them
 
@@ -252,7 +254,7 @@ class Mixed(Attack):
     def __init__(self, **kw):
         super().__init__(**kw)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen))
-        self.attacks = [cls(start=self.start, seed=seed + i) for i, cls in enumerate(_SIMPLE)]
+        self.attacks = [cls(start=self.start, seed=seed + i, direction=self.direction) for i, cls in enumerate(_SIMPLE)]
 
     def observe(self, x, step):
         for a in self.attacks:
@@ -305,18 +307,28 @@ class CtxSwap(Attack):
         if self.ids is None or tuple(self.ids.shape) != tuple(x.shape[:2]):
             return x
         X = x.reshape(-1, x.shape[-1])
-        src = same_id_cycle(self.ids, self.fraction, self.gen).to(X.device)
+        src = same_id_cycle(token_keys(self.ids, self.direction), self.fraction, self.gen).to(X.device)
         return X[src].reshape(x.shape)
+
+
+def token_keys(ids: Tensor, direction: str) -> Tensor:
+    """The token a position's code belongs to, as the verifier keys it: activations by their own
+    token, gradients by the next one (the label); a gradient row's last position gets a key of
+    its own (-1: it is never exchanged with another row's last)."""
+    if direction == "act":
+        return ids
+    ids = ids.long()
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -1)], dim=1)
 
 
 def same_id_cycle(ids: Tensor, fraction: float, gen: torch.Generator) -> Tensor:
     """Source position (into ``ids.reshape(-1)``) for every position: a random ``fraction`` of the
     positions take part, and among those the positions of each token id pass their codes on in
-    a random cycle; the others (and ids that occur once) keep their own."""
+    a random cycle; the others (and ids that occur once, and the key -1) keep their own."""
     ids = ids.reshape(-1).to(torch.long).cpu()
     n = ids.shape[0]
     src = torch.arange(n)
-    pos = torch.nonzero(torch.rand(n, generator=gen) < fraction).flatten()
+    pos = torch.nonzero((torch.rand(n, generator=gen) < fraction) & (ids >= 0)).flatten()
     if pos.numel() < 2:
         return src
     # sort by (id, random key): each id's run is then one random cycle
@@ -430,13 +442,12 @@ class Fence(Attack):
 
                 self._shadow = Sentinel(self._params or SentinelParams())
             self._n += 1
-            for d in ("act", "grad"):  # which direction we send is not known here: both
-                self._shadow.judge("self", d, x, ids=self.ids, mb=("own", self._n))
+            self._shadow.judge("self", self.direction, x, ids=self.ids, mb=("own", self._n))
 
     def _score(self, t: Tensor) -> float:
         if self.oracle is not None:
             return float(self.oracle(t))
-        return min(float(self._shadow.judge("self", d, t, ids=self.ids, commit=False).score) for d in ("act", "grad"))
+        return float(self._shadow.judge("self", self.direction, t, ids=self.ids, commit=False).score)
 
     def poison(self, x, step):
         xf = x.float()
@@ -445,7 +456,8 @@ class Fence(Attack):
         perm = torch.randperm(n, generator=self.gen)
         targets = [X[perm].reshape(xf.shape), -xf]
         if self.ids is not None and tuple(self.ids.shape) == tuple(xf.shape[:2]):
-            targets.append(X[same_id_cycle(self.ids, 1.0, self.gen).to(X.device)].reshape(xf.shape))
+            src = same_id_cycle(token_keys(self.ids, self.direction), 1.0, self.gen).to(X.device)
+            targets.append(X[src].reshape(xf.shape))
         order = torch.randperm(n, generator=self.gen)
         rank = torch.empty(n, dtype=torch.long)
         rank[order] = torch.arange(n)
@@ -493,10 +505,30 @@ def make_attack(name: str, **params) -> Attack:
         raise ValueError(f"attack {name!r}: bad parameters {params}: {e}") from None
 
 
+def parse_attack(spec: str) -> tuple[str, dict]:
+    """``"swap"`` -> ("swap", {}); ``"swap:fraction=0.3"`` or ``"rotate:angle=1,fraction=0.5"`` ->
+    the name and its numeric parameters (what ``--attack`` accepts)."""
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"attack {spec!r}: parameters are key=value, got {item!r}")
+        try:
+            params[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"attack {spec!r}: {key.strip()} must be a number, got {value!r}") from None
+    return name.strip(), params
+
+
 def check_attack_allowed(name: str | None, manifest_allows: bool, cli_allows: bool) -> None:
-    """Refuse an attack unless the manifest or the operator explicitly allows attacks."""
+    """Refuse an attack unless the manifest or the operator explicitly allows attacks. ``name``
+    may carry parameters (``parse_attack``)."""
     if not name:
         return
+    name, params = parse_attack(name)
+    if params:
+        make_attack(name, **params)  # unknown parameters: ValueError now, not at the first send
     if name not in ATTACKS and name not in STATE_ATTACKS:
         raise ValueError(f"unknown attack {name!r}; known: {', '.join([*ATTACKS, *STATE_ATTACKS])}")
     if not (manifest_allows or cli_allows):

@@ -195,3 +195,43 @@ def test_fence_rider_without_an_oracle_asks_a_shadow_sentinel_fed_its_own_output
         out = atk(x, t, ids=ids)
     assert atk._shadow is not None and not torch.equal(out, x)
     assert atk._shadow.judge("self", "act", out, ids=ids, commit=False).score <= 0.9
+
+
+def test_attack_specs_carry_parameters():
+    from security import parse_attack
+
+    assert parse_attack("swap") == ("swap", {})
+    assert parse_attack("rotate:angle=1.5,fraction=0.5") == ("rotate", {"angle": 1.5, "fraction": 0.5})
+    assert parse_attack("flip:dims=3") == ("flip", {"dims": 3})
+    check_attack_allowed("swap:fraction=0.3", True, False)
+    with pytest.raises(ValueError, match="key=value"):
+        parse_attack("swap:0.3")
+    with pytest.raises(ValueError, match="must be a number"):
+        parse_attack("swap:fraction=lots")
+    with pytest.raises(ValueError, match="bad parameters"):
+        check_attack_allowed("swap:fractoin=0.3", True, False)
+    with pytest.raises(AttackNotAllowed):
+        check_attack_allowed("swap:fraction=0.3", False, False)
+    from node.daemon import make_attacks
+
+    atk = make_attacks("swap:fraction=0.3", seed=1)
+    assert set(atk) == {"act", "grad"} and atk["act"].fraction == 0.3
+
+
+def test_ctxswap_on_gradients_keys_positions_by_the_next_token():
+    """The verifier keys a gradient by the label (the next token), so a gradient ctxswap exchanges
+    codes between positions with the same NEXT token, and never moves a row's last position."""
+    g = torch.Generator().manual_seed(11)
+    x = honest(shape=(4, 64, 8))
+    ids = torch.randint(0, 8, (4, 64), generator=g)
+    out = make_attack("ctxswap", seed=3, direction="grad")(x, 0, ids=ids)
+    nxt = torch.cat([ids[:, 1:], torch.full((4, 1), -1)], dim=1).reshape(-1)
+    X, Y = rows(x), rows(out)
+    assert torch.equal(out[:, -1], x[:, -1])
+    moved = torch.nonzero((Y != X).any(dim=1)).flatten()
+    assert moved.numel() > 100
+    for i in moved.tolist():
+        src = torch.nonzero((X == Y[i]).all(dim=1)).flatten()
+        assert bool((nxt[src] == nxt[i]).any())
+    with pytest.raises(ValueError, match="direction"):
+        make_attack("swap", direction="sideways")

@@ -96,7 +96,8 @@ _HELP = {
     "data_shard": "data shard a head draws from (-1: derived from the peer id)",
     "num_shards": "number of data shards the training stream is cut into",
     "peer_labels": "label metrics by peer id (off by default: cardinality grows with the swarm)",
-    "attack": "TESTING ONLY: corrupt what this node sends with the named attack (needs --allow-attacks)",
+    "attack": "TESTING ONLY: corrupt what this node sends with the named attack, NAME or NAME:key=value,... "
+              "(needs --allow-attacks)",
     "allow_attacks": "TESTING ONLY: permit --attack",
     "verify_state": "download a joining replica's weights from up to 3 replicas and take them only when a majority agrees (parameter distance and norm ratio) (--no-verify-state: the first replica's, unchecked)",
     "allow_unsigned": "LOCAL SWARMS ONLY: accept an unsigned manifest (refused unless every listen address is loopback)",
