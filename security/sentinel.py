@@ -228,8 +228,6 @@ class TokenTable:
         self.buckets, self.k, self.beta = buckets, k, beta
         self.table = torch.zeros(buckets, k)
         self.seen = torch.zeros(buckets, dtype=torch.bool)
-        self.var = torch.zeros(buckets)  # EMA of the mean squared residual ‖x − row‖² per row
-        self.var_seen = torch.zeros(buckets, dtype=torch.bool)
         self.count = 0
 
     @staticmethod
@@ -254,12 +252,11 @@ class TokenTable:
     def _to(self, device: torch.device) -> None:
         if self.table.device != device:
             self.table, self.seen = self.table.to(device), self.seen.to(device)
-            self.var, self.var_seen = self.var.to(device), self.var_seen.to(device)
 
     def outliers(self, X: Tensor, keys: Tensor, c: float) -> float | None:
-        """How much of the batch lies far off its rows: z_t = ‖x_t − row‖² / (c · the row's usual
-        squared residual, ``var``); each position contributes clamp(z_t − 1, 0, 3) (nothing while
-        within c times its usual residual); the mean times √N. Positions carrying another token's
+        """How much of the batch lies far off its rows: z_t = ‖x_t − row‖² over c times the
+        batch's median of it; each position contributes clamp(z_t − 1, 0, 3) (nothing while
+        within c times the typical residual); the mean times √N. Positions carrying another token's
         code, or a large edit of a few positions, which batch-wide statistics average away. The
         √N makes the honest spread the same for any batch size (a binomial share's spread is
         ∝ 1/√N), so one fence suits them all. None while too few of the batch's rows have a
@@ -267,12 +264,16 @@ class TokenTable:
         if self.count == 0 or X.shape[0] == 0:
             return None
         self._to(X.device)
-        known = self.seen[keys] & self.var_seen[keys]
+        known = self.seen[keys]
         n = int(known.sum())
         if n < max(8, X.shape[0] // 4):
             return None
         r2 = (X[known] - self.table[keys[known]]).square().sum(1)
-        z = r2 / (c * self.var[keys[known]].clamp_min(1e-12))
+        # relative to this batch's median: while the model changes fast every residual grows
+        # against the lagging rows, which is no attack; a few outlying positions do not move it.
+        # (Per-row residual scales were tried: rows seen a few times have noisy ones, and on
+        # the test model's 128-token payloads honest batches were flagged 20% of the time.)
+        z = r2 / (c * r2.median().clamp_min(1e-30))
         return float((z - 1.0).clamp(0.0, 3.0).mean()) * math.sqrt(n)
 
     def agreement(self, X: Tensor, keys: Tensor) -> float | None:
@@ -321,14 +322,6 @@ class TokenTable:
         old = self.table[present]
         fresh = ~self.seen[present]
         a = (1 - self.beta) * weight
-        # the rows' residual scale, against the rows as they were (before this batch moves them)
-        r2 = (X - self.table[keys]).square().sum(1)
-        r2_sum = torch.zeros(self.buckets, device=X.device).index_add_(0, keys, r2)
-        had = present & self.seen
-        mean_r2 = r2_sum[had] / counts[had].float()
-        vs = self.var_seen[had]
-        self.var[had] = torch.where(vs, (1 - a) * self.var[had] + a * mean_r2, mean_r2)
-        self.var_seen[had] = True
         new = torch.where(fresh.unsqueeze(1), means, (1 - a) * old + a * means)
         if weight < 1.0:  # a rejected tensor never creates a row, it only nudges existing ones
             new = torch.where(fresh.unsqueeze(1), old, new)

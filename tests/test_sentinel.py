@@ -144,7 +144,7 @@ def test_token_table_agreement_and_shift():
 
 
 def test_position_outliers_see_a_few_swapped_positions():
-    """pos: how far positions lie beyond pos_c times their row's usual residual (each contributes
+    """pos: how far positions lie beyond pos_c times the batch's median residual (each contributes
     clamp(z − 1, 0, 3), mean times √N). Honest codes (row + noise): ~0; 5% of the positions
     carrying another token's code: far more, although every batch-wide statistic of the swap is
     unchanged; the same share in a quarter of the batch gives half of it (√N: a small batch shows
@@ -157,7 +157,7 @@ def test_position_outliers_see_a_few_swapped_positions():
         ids = torch.randint(0, 32, (B, 64), generator=g)
         return TokenTable.keys(E[ids] + torch.randn(B, 64, K, generator=g), ids, "act", 128)
 
-    assert tab.outliers(*batch(), 6.0) is None  # no residual scale yet
+    assert tab.outliers(*batch(), 6.0) is None  # no rows yet
     for _ in range(5):
         tab.update(*batch())
 
