@@ -89,7 +89,7 @@ class SentinelParams:
     reject_weight: float = 0.1  # rejected tensors move the references at this fraction of the rate
     shift_horizon: int = 32  # senders heard from in this many tensors vote on a stage-wide shift
     shift_reach: float = 10.0  # during a shift, scores up to this are accepted and followed
-    pos_c: float = 6.0  # pos: a position is an outlier when its squared residual is > pos_c x its row's usual one
+    pos_c: float = 6.0  # pos (activations): a position is an outlier when its squared residual is > pos_c x the batch median
     ctx_buckets: int = 16384  # context table rows: (previous, current) token pair -> hash % ctx_buckets
     beta_ratio: float = 0.85  # cum: EMA decay of a sender's own fence ratios, per tensor of its own
     off: tuple = ()  # distances not judged (ablations: bench_sentinel --harm-off)
@@ -682,7 +682,7 @@ class Sentinel:
             cX, ctok, cpair = TokenTable.pair_keys(Xn.view(x.shape), ids, direction, p.ctx_buckets)
             if state.table is not None and state.table.k == k:
                 for name, value in (("tok", state.table.agreement(tX, tkeys)), ("shift", state.table.shift(tX, tkeys)),
-                                    ("pos", state.table.outliers(tX, tkeys, p.pos_c)),
+                                    ("pos", state.table.outliers(tX, tkeys, p.pos_c) if direction == "act" else None),
                                     ("ctx", context_agreement(state.table, state.ctx, cX,
                                                               ctok.remainder(p.token_buckets), cpair))):
                     if value is not None:

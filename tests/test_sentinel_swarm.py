@@ -9,6 +9,12 @@ each rule are tests/test_sentinel_node.py.
 
 With two replicas the malicious one is not the last of its stage, so the runtime's spare rule
 (tests/test_bans_spare.py) does not apply and it must be banned.
+
+The second drill's attacker is adaptive (``ctxswap``): it exchanges codes only between positions
+of the same token (for gradients: of the same label), so every statistic SENTINEL keeps per
+batch and per token -- moments, projections, the token table's agreement, shift and outliers --
+is exactly the honest one; only the context check (the (previous, current) token-pair table,
+``sentinel:ctx``) sees it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import pytest
 
 from tests.helpers.attack_drill import run_attack_drill
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow]
 
 
+@pytest.mark.timeout(150)
 def test_a_malicious_replica_is_banned_and_traffic_moves_to_the_honest_one(tmp_path):
     r = run_attack_drill(tmp_path, attack="scaling", honest=1, observe_s=10.0, ban_timeout_s=40.0,
                          ready_timeout_s=90.0)
@@ -39,5 +46,22 @@ def test_a_malicious_replica_is_banned_and_traffic_moves_to_the_honest_one(tmp_p
     assert r["loss_finite"], r
     assert r["honest_banned"] == 0, (r, logs)
     # every node drained and left; no p2pd behind
+    assert all(code == 0 for code in r["exit_codes"].values()), r["exit_codes"]
+    assert r["p2pd_left"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_an_adaptive_attacker_that_keeps_every_per_token_statistic_is_banned(tmp_path):
+    r = run_attack_drill(tmp_path, attack="ctxswap", honest=1, observe_s=6.0, ban_timeout_s=60.0,
+                         ready_timeout_s=90.0)
+    logs = f"(logs in {tmp_path / 'swarm'})"
+    assert r["banned"], (r, logs)
+    assert r["malicious_banned_by"], (r, logs)
+    # the context check is what sees it (honest false positives have other reasons, a few at most)
+    ctx = sum(reasons.get("sentinel:ctx", 0) for reasons in r["reject_reasons"].values())
+    assert ctx >= 3, (r["reject_reasons"], logs)
+    assert r["malicious_served_after_ban"] == 0, r
+    assert r["honest_banned"] == 0, (r, logs)
+    assert r["loss_finite"], r
     assert all(code == 0 for code in r["exit_codes"].values()), r["exit_codes"]
     assert r["p2pd_left"] == 0

@@ -51,6 +51,16 @@ def banned_in_logs(node: NodeProc, peer: str) -> int:
     return len(re.findall(rf"\bbanned {re.escape(peer)} for ", node.logs()))
 
 
+def _reasons(metrics: dict[str, float]) -> dict[str, int]:
+    """Rejections by reason (every sender's) from a node's /metrics."""
+    out: dict[str, int] = {}
+    for key, v in metrics.items():
+        if key.startswith("swarm_node_verifier_verdicts_total{") and 'verdict="reject"' in key and v:
+            reason = key.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0) + int(v)
+    return out
+
+
 def _served(sw: LocalSwarm, node: NodeProc) -> float:
     return sw.value(node, "swarm_node_served_total", protocol="fwd", result="ack")
 
@@ -141,6 +151,7 @@ def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: in
                                 for n in (head, tail)}
         out["rejected_by_tail"] = sw.value(tail, "swarm_node_verifier_verdicts_total", verdict="reject")
         out["rejected_by_head"] = sw.value(head, "swarm_node_verifier_verdicts_total", verdict="reject")
+        out["reject_reasons"] = {n.name: _reasons(sw.metrics(n)) for n in (head, tail)}
     finally:
         out["exit_codes"] = sw.close()
         out["seconds"] = round(time.monotonic() - t0, 1)
