@@ -62,7 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from security import ATTACKS, BanList, BasicVerifier, SentinelVerifier, ban_weight, make_attack  # noqa: E402  # noqa: E402  # noqa: E402
+from security import (  # noqa: E402
+    ADAPTIVE_FAMILIES, ATTACKS, BanList, BasicVerifier, SentinelVerifier, ban_weight, make_attack,
+)
 from stages import (  # noqa: E402  # noqa: E402  # noqa: E402
     Batches,
     build_optimizer,
@@ -85,6 +87,9 @@ VARIANTS = {  # extra attack settings reported beside the defaults
     "scaling(factor=1.5)": ("scaling", {"factor": 1.5}),
 }
 BAN_MEMORY = 20
+# part 1's list: the attacks at their default strengths; the adaptive families are swept in
+# strength against harm by --part harm
+CLASSIC = tuple(a for a in ATTACKS if a not in ADAPTIVE_FAMILIES)
 
 
 def parse_args(argv=None):
@@ -310,17 +315,17 @@ def detection(args) -> dict:
     honest_banned = set()
     clean_rejections = []
 
-    cases = {name: (name, {}, True) for name in ATTACKS}
+    cases = {name: (name, {}, True) for name in CLASSIC}
     if not args.no_variants:
         cases.update({name: (a, kw, True) for name, (a, kw) in VARIANTS.items()})
-        cases.update({f"{name}[no ids]": (name, {}, False) for name in ATTACKS})
+        cases.update({f"{name}[no ids]": (name, {}, False) for name in CLASSIC})
     runs = {}
     for i, (case, (attack, kw, use_ids)) in enumerate(cases.items()):
         runs[case] = {
             "tail": make_verifier(m, seed=m.run.seed + 1, **settings),
             "head": make_verifier(m, seed=m.run.seed + 2, **settings),
             "ids": use_ids,
-            "attack": {(r, d): make_attack(attack, start=args.attack_start, seed=1000 * i + j, **kw)
+            "attack": {(r, d): make_attack(attack, start=args.attack_start, seed=1000 * i + j, direction=d, **kw)
                        for j, r in enumerate(sorted(sw.malicious)) for d in ("act", "grad")},
             "tally": Tally(m, args.attack_start),
         }
@@ -375,18 +380,18 @@ def detection(args) -> dict:
                     if d == direction and r != replica:
                         atk.observe(x, step)
                 bad = replica in sw.malicious
-                sent = run["attack"][(replica, direction)](x, step) if bad else x
+                sent = run["attack"][(replica, direction)](x, step, ids=ids) if bad else x
                 v = run[node].verify(replica, direction, sent, step=step, ids=vids, mb=step)
                 run["tally"].add(replica, direction, bad and step >= args.attack_start, v, step)
     elapsed = time.perf_counter() - t0
 
     attacks = {case: run["tally"].result(sw.malicious) for case, run in runs.items()}
-    main = {k: v for k, v in attacks.items() if k in ATTACKS}
+    main = {k: v for k, v in attacks.items() if k in CLASSIC}
     rejected = sum(c[0] for c in clean_counts.values())
     judged = sum(c[1] for c in clean_counts.values())
     return {
         "attacks": main,
-        "variants": {k: v for k, v in attacks.items() if k not in ATTACKS and not k.endswith("[no ids]")},
+        "variants": {k: v for k, v in attacks.items() if k not in CLASSIC and not k.endswith("[no ids]")},
         "no_ids": {k[: -len("[no ids]")]: {"f1": v["f1"], "recall": v["recall"], "precision": v["precision"]}
                    for k, v in attacks.items() if k.endswith("[no ids]")},
         "fpr": round(rejected / judged, 5) if judged else None,
@@ -676,7 +681,7 @@ def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
         v_tail = v_head = BasicVerifier(m.k, seq_len=m.model.seq_len)
     # bans last 20 steps, doubling per repeat (time is counted in steps here)
     bans = BanList(flags_to_ban=m.sentinel.flags_to_ban, memory=BAN_MEMORY, base_s=20, max_s=10 * args.val_steps)
-    atk = {(r, d): make_attack(attack, start=start, seed=j) for j, r in enumerate(sorted(sw.malicious))
+    atk = {(r, d): make_attack(attack, start=start, seed=j, direction=d) for j, r in enumerate(sorted(sw.malicious))
            for d in ("act", "grad")} if attack else {}
     dropped = skipped = 0
     banned_at: dict[str, list[int]] = {}
@@ -694,7 +699,7 @@ def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
         act = c1.detach()
         bad = attack is not None and replica in sw.malicious and step >= start
         if bad:
-            act = atk[(replica, "act")](act, step)
+            act = atk[(replica, "act")](act, step, ids=ids)
         v = v_tail.verify(replica, "act", act, step=step, ids=ids, mb=step)
         _flag(bans, replica, v, step, banned_at, m.sentinel.ban_margin)
         if not v.accept:  # dropped; the microbatch is skipped
@@ -713,7 +718,7 @@ def train_closed_loop(args, attack: str | None, sentinel: bool) -> dict:
         else:
             update.append(1)
         if bad:
-            grad = atk[(replica, "grad")](grad, step)
+            grad = atk[(replica, "grad")](grad, step, ids=ids)
         vg = v_head.verify(replica, "grad", grad, step=step, ids=ids, mb=step)
         _flag(bans, replica, vg, step, banned_at, m.sentinel.ban_margin)
         if vg.accept:

@@ -5,7 +5,7 @@ This is what the other packages may use; everything else is internal to security
 
 from security.attacks import (
     STATE_ATTACKS, poison_state,  # noqa: F401
-    ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack, parse_attack,
+    ADAPTIVE_FAMILIES, ATTACKS, AttackNotAllowed, check_attack_allowed, make_attack, parse_attack,
 )
 from security.bans import (  # noqa: F401
     BanList, OneVersion, ban_weight, refusal_weight_of, verdict_score,
@@ -31,6 +31,7 @@ __all__ = [
     "peer_id_of_public_key",
     "verify_manifest_signature",
     "verify_peer_signature",
+    "ADAPTIVE_FAMILIES",
     "ATTACKS",
     "AttackNotAllowed",
     "BanList",

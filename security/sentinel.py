@@ -37,7 +37,15 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    ``tokc`` (``Sentinel._tokc``), averages a sender's ``tok`` over its own last few tensors
    and compares it with the median of the other senders' averages (at least two of them):
    persistent half-noise that single tensors hide inside the ``tok`` fence adds up; a drift all
-   senders share cancels.
+   senders share cancels. Three more answer an adaptive adversary that knows all of the above:
+
+       pos   = √N · mean_t clamp(z_t − 1, 0, 3),  z_t = ‖x_t − T[id_t]‖² / (c · median_t)
+               (activations: a few positions carrying other tokens' codes)
+       ctx   = 1 − corr(x_t − T[id_t], C[pair_t] − T[id_t]), C keyed by the token pair
+               (codes exchanged between positions of one token keep every per-token statistic)
+       cum   = max over the single-tensor distances of the sender's averaged fence ratio minus
+               the other senders' median (``Sentinel._cum``: a sender riding just inside the
+               fences on every tensor)
 4. Verdict. Each distance is divided by its fence, a Tukey fence Q3 + κ·max(IQR, 0.1·median)
    over recent distances of *accepted* tensors (per sender, median over senders: ``Sentinel``);
    score = the largest ratio; reject when > 1 and name the distance (``sentinel:tok``...).

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from security import ATTACKS, make_attack
-from security.attacks import ADAPTIVE_FAMILIES
+from security import ADAPTIVE_FAMILIES, ATTACKS, make_attack
 from security.sentinel import (
     DISTANCES,
     Sentinel,
