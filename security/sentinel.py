@@ -236,6 +236,7 @@ class TokenTable:
         self.buckets, self.k, self.beta = buckets, k, beta
         self.table = torch.zeros(buckets, k)
         self.seen = torch.zeros(buckets, dtype=torch.bool)
+        self.last = torch.zeros(buckets, dtype=torch.long)  # ``count`` at a row's latest update
         self.count = 0
 
     @staticmethod
@@ -259,9 +260,9 @@ class TokenTable:
 
     def _to(self, device: torch.device) -> None:
         if self.table.device != device:
-            self.table, self.seen = self.table.to(device), self.seen.to(device)
+            self.table, self.seen, self.last = self.table.to(device), self.seen.to(device), self.last.to(device)
 
-    def outliers(self, X: Tensor, keys: Tensor, c: float) -> float | None:
+    def outliers(self, X: Tensor, keys: Tensor, c: float, fresh: int = 4) -> float | None:
         """How much of the batch lies far off its rows: z_t = ‖x_t − row‖² over c times the
         batch's median of it; each position contributes clamp(z_t − 1, 0, 3) (nothing while
         within c times the typical residual); the mean times √N. Positions carrying another token's
@@ -272,7 +273,10 @@ class TokenTable:
         if self.count == 0 or X.shape[0] == 0:
             return None
         self._to(X.device)
-        known = self.seen[keys]
+        # rows updated within the last few batches only: a rare token's row is stale while the
+        # model changes fast, and its positions would all look far off (a lone honest replica of
+        # the test model was flagged 36 times in its first 200 steps before this)
+        known = self.seen[keys] & (self.count - self.last[keys] <= fresh)
         n = int(known.sum())
         if n < max(8, X.shape[0] // 4):
             return None
@@ -338,6 +342,7 @@ class TokenTable:
         self.table[present] = new
         self.seen |= present
         self.count += 1
+        self.last[present] = self.count
 
     def expected(self, ids: Tensor, direction: str, fill: Tensor) -> Tensor:
         """E[x | token] for every position of ``ids`` (B, L) -> (B, L, k); ``fill`` where unknown."""
