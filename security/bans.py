@@ -27,35 +27,42 @@ from dataclasses import dataclass, field
 
 @dataclass
 class OneVersion:
-    """Counts the marginal flags (weight < 1) of one sender version once, for up to ``cap`` of
-    them; a clear flag (weight 1), a flag without a version, or one past ``cap`` counts in full.
-    Tensors of one version were computed with the same weights, and a replica whose tensors are
-    refused gets no gradient back, so it does not step and sends its next microbatches at the same
-    version, all flagged alike: one piece of evidence, not several (docs/SENTINEL.md, "False flags
-    in clean swarms"). A poisoner whose every tensor is refused never steps either; its clear
-    flags still count one by one, and it cannot hold its version to stay unbanned past ``cap``."""
+    """Counts the marginal flags (weight < 1) of one sender version once. Tensors of one version
+    were computed with the same weights, and a replica whose tensors are refused gets no gradient
+    back, so it does not step and sends its next microbatches at the same version, all flagged
+    alike: one piece of evidence, not several (docs/SENTINEL.md, "False flags in clean swarms").
+
+    Bounded, since the version is the sender's word: a flag counts in full when it is clear
+    (weight 1: a refused poisoner never steps either, and is banned as fast as before), has no
+    version, or starts a new version; and at most ``cap`` flags are discounted between two of the
+    sender's accepted tensors (``accepted``), whatever versions they claim. So a sender that holds
+    its version, or changes it every few tensors, saves at most ``cap`` marginal flags per
+    accepted tensor."""
 
     cap: int = 4
     version: object = None
     largest: float = 0.0
-    flags: int = 0
+    discounted: int = 0  # flags discounted since the sender's last accepted tensor
 
     def count(self, weight: float, version: object) -> float:
         """What a flag of ``weight`` for a tensor of ``version`` adds toward a ban."""
         if version is None or weight >= 1.0:
             return weight
         if version != self.version:
-            self.version, self.largest, self.flags = version, weight, 1
+            self.version, self.largest = version, weight
             return weight
-        if self.flags >= self.cap:
+        if self.discounted >= self.cap:
             return weight
-        self.flags += 1
+        self.discounted += 1
         extra = max(0.0, weight - self.largest)
         self.largest = max(self.largest, weight)
         return extra
 
-    def reset(self) -> None:
-        self.version, self.largest, self.flags = None, 0.0, 0
+    def accepted(self) -> None:
+        """The sender's tensor got through: a new run of flags may be discounted again."""
+        self.version, self.largest, self.discounted = None, 0.0, 0
+
+    reset = accepted
 
 
 @dataclass
@@ -109,6 +116,8 @@ class BanList:
             p.strikes = 0
         if flagged:
             weight = p.versions.count(weight, version)
+        else:
+            p.versions.accepted()
         p.recent.append(float(weight) if flagged else 0.0)
         p.flags.append(bool(flagged))
         if flagged and sum(p.recent) >= self.flags_to_ban - 1e-9:

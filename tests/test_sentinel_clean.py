@@ -116,13 +116,23 @@ def test_a_replica_jumping_alone_is_still_banned(a_versions):
 
 def test_ban_list_counts_the_marginal_flags_of_one_version_once():
     bans = BanList(flags_to_ban=3, memory=20, version_cap=4)
-    # four marginal flags of version 7 weigh 0.5, not 2; the fifth counts in full again
-    for i in range(4):
+    # five marginal flags of version 7 weigh 0.5, not 2.5 (four discounted); the sixth counts
+    for i in range(5):
         bans.record("p", True, float(i), weight=0.5, version=7)
     assert sum(bans._peers["p"].recent) == pytest.approx(0.5)
-    bans.record("p", True, 4.0, weight=0.5, version=7)
+    bans.record("p", True, 5.0, weight=0.5, version=7)
     assert sum(bans._peers["p"].recent) == pytest.approx(1.0)
-    assert bans.flag_rate("p") == 1.0  # all five were flags, whatever they weighed
+    assert bans.flag_rate("p") == 1.0  # all six were flags, whatever they weighed
+    # a sender changing its claimed version every other tensor saves at most version_cap flags
+    # between two accepted tensors: ten marginal flags of 0.5 weigh 3, a ban (without: 5)
+    juggler = [bans.record("j", True, float(i), weight=0.5, version=i // 2) for i in range(10)]
+    assert juggler[-1] and not any(juggler[:-1])
+    # an accepted tensor starts a new run of flags that may be discounted
+    bans.record("k", True, 0.0, weight=0.5, version=1)
+    bans.record("k", True, 1.0, weight=0.5, version=1)
+    bans.record("k", False, 2.0)
+    bans.record("k", True, 3.0, weight=0.5, version=1)
+    assert sum(bans._peers["k"].recent) == pytest.approx(1.0)
     # the largest weight of a version is what counts: 0.25 then 0.75 add up to 0.75
     bans.record("q", True, 0.0, weight=0.25, version=1)
     bans.record("q", True, 1.0, weight=0.75, version=1)

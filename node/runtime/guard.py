@@ -140,10 +140,11 @@ class Guard:
         banned it here in a clean real swarm."""
         flags_to_ban = self.sentinel.flags_to_ban
         recent = self.downstream.setdefault(peer, collections.deque(maxlen=flags_to_ban + 2))
+        versions = self.downstream_versions.setdefault(peer, OneVersion())
         if not refused:
             recent.append((False, 0.0))
+            versions.accepted()
             return
-        versions = self.downstream_versions.setdefault(peer, OneVersion())
         recent.append((True, versions.count(refusal_weight_of(score, self.sentinel.ban_margin), version)))
         log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
         if len(recent) < recent.maxlen or not all(r for r, _ in recent) or sum(w for _, w in recent) < flags_to_ban \
