@@ -94,6 +94,9 @@ def checkpoints(d: Path) -> dict[int, Path]:
     return dict(list_checkpoints(d))
 
 
+_VAL: dict = {}
+
+
 def val_loss(manifest, paths: list[Path], n_batches: int) -> float:
     import torch
 
@@ -107,8 +110,11 @@ def val_loss(manifest, paths: list[Path], n_batches: int) -> float:
         restore_module(s, tensors)
         s.eval()
         stages.append(s)
-    corpus = load_corpus(manifest.data)
-    batches = val_batches(corpus.val, manifest.data.batch_size, manifest.model.seq_len, n_batches)
+    key = (manifest.data, manifest.model.seq_len, n_batches)
+    if key not in _VAL:  # the corpus is read once for all cells
+        corpus = load_corpus(manifest.data)
+        _VAL[key] = val_batches(corpus.val, manifest.data.batch_size, manifest.model.seq_len, n_batches)
+    batches = _VAL[key]
     total = 0.0
     with torch.no_grad():
         for ids in batches:
@@ -235,6 +241,8 @@ def main() -> int:
                 cells.append(run_cell(lab, manifests[codec], profile, codec, args.seconds, args.checkpoint_every,
                                       workdir, args.torch_threads))
     # validation: at equal tokens (the largest checkpoint step every cell's stages all have) and at the end
+    # (a stage that never stepped, e.g. a head whose first gradient had not come back, wrote no
+    # checkpoint: its cell gets no validation loss)
     common = None
     for c in cells:
         steps = set.intersection(*[set(checkpoints(Path(a))) for a in c["_archive"]])
@@ -243,8 +251,9 @@ def main() -> int:
     for c in cells:
         m = manifests[c["codec"]]
         arch = [checkpoints(Path(a)) for a in c.pop("_archive")]
-        c["val_loss_at_equal_wall_time"] = val_loss(m, [a[max(a)] for a in arch], args.val_batches)
-        c["val_loss_at_equal_wall_time_steps"] = [max(a) for a in arch]
+        complete = all(arch)
+        c["val_loss_at_equal_wall_time"] = val_loss(m, [a[max(a)] for a in arch], args.val_batches) if complete else None
+        c["val_loss_at_equal_wall_time_steps"] = [max(a) if a else 0 for a in arch]
         c["val_loss_at_equal_tokens"] = val_loss(m, [a[eq_step] for a in arch], args.val_batches) if eq_step else None
     by = {(c["profile"], c["codec"]): c for c in cells}
     ratios = {}
@@ -262,7 +271,7 @@ def main() -> int:
             "tokens_per_s": cd["tokens_per_s"], "link_bound_tokens_per_s": cd["link_bound_tokens_per_s"],
             "ratio": round(cd["tokens_per_s"] / cd["link_bound_tokens_per_s"], 3)
             if cd["tokens_per_s"] and cd["link_bound_tokens_per_s"] else None}
-    if cs and cd:
+    if cs and cd and cs["val_loss_at_equal_wall_time"] and cd["val_loss_at_equal_wall_time"]:
         checks["consumer_val_loss_equal_wall_time"] = {
             "subspace": cs["val_loss_at_equal_wall_time"], "dense": cd["val_loss_at_equal_wall_time"],
             "subspace_better": cs["val_loss_at_equal_wall_time"] < cd["val_loss_at_equal_wall_time"]}
