@@ -55,6 +55,7 @@ import shlex
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -796,6 +797,7 @@ def real_run(args) -> dict:
 
 
 VERDICTS = "swarm_node_verifier_verdicts_total"
+STOP = threading.Event()  # set on SIGTERM: clean runs in worker threads stop and close their swarms
 
 
 def clean_summary(metrics: dict[str, dict[str, float]]) -> dict:
@@ -850,7 +852,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
         sw.wait_ready(timeout=180)
         deadline = time.monotonic() + 60 + 10 * args.clean_steps
         bodies, gap_max = nodes[1:-1], 0
-        while time.monotonic() < deadline and not any(n.proc.poll() is not None for n in nodes):
+        while time.monotonic() < deadline and not STOP.is_set() and not any(n.proc.poll() is not None for n in nodes):
             # how evenly the head's router splits the work between the body replicas
             steps = [sw.value(b, "swarm_node_steps_total") for b in bodies]
             gap_max = max(gap_max, int(max(steps) - min(steps)))
@@ -877,7 +879,11 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like an exception, so every `with LocalSwarm(...)` stops its nodes
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    def on_sigterm(signum, frame):
+        STOP.set()  # parallel clean runs poll it from their threads
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     det = detection(args) if args.part in ("all", "both", "detection") else None
