@@ -65,3 +65,56 @@ async def test_requests_that_keep_or_close_their_write_side():
     finally:
         await node.close()
     assert_no_p2pd_left()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_the_responder_closes_only_after_the_requester():
+    """Our node keeps a stream it answered open until the requester closes it (at most
+    ``streams.LINGER_S``): closing first lets p2pd reset the stream, and a reset can discard the
+    reply before the requester's daemon passed it on (scripts/bench_replies.py counts that)."""
+    from node.net.streams import LINGER_S, read_frame
+    from protocol import Limits, make_health_request
+    from tests.helpers.procs import assert_no_p2pd_left
+
+    a, b = await Transport.start(), await Transport.start()
+    try:
+        async def health(frame, peer):
+            validate_health_request(frame)
+            return make_health({"peer": b.peer_id})
+
+        await b.serve(HEALTH, health)
+        await a.connect((await b.visible_maddrs())[0])
+        for close_first in (False, True):
+            b.linger_after_reply = not close_first
+            reader, writer = await a._open(b.peer_id, HEALTH)
+            writer.writelines(make_health_request())
+            await writer.drain()
+            reply, _ = await read_frame(reader, writer, Limits())
+            assert reply.header["type"] == "health"
+            t0 = asyncio.get_running_loop().time()
+            try:  # what follows the reply: the responder's end of stream, or nothing until we close
+                rest = await asyncio.wait_for(reader.read(1), timeout=min(1.0, LINGER_S / 2))
+            except TimeoutError:
+                rest = None
+            waited = asyncio.get_running_loop().time() - t0
+            writer.close()
+            if close_first:
+                assert rest == b"" and waited < 1.0  # the old way: closed right after the reply
+            else:
+                assert rest is None  # still open: it waits for us
+        assert await _until(lambda: not b._tasks, 10), "the responder did not finish after our close"
+    finally:
+        await a.close()
+        await b.close()
+    assert_no_p2pd_left()
+
+
+async def _until(cond, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()

@@ -127,6 +127,7 @@ class Transport:
         max_streams_per_peer: int = 8,
         max_inflight_handlers: int = 64,
         read_timeout: float = 120.0,
+        linger_after_reply: bool = True,
         _owns_p2p: bool = False,
     ):
         self.p2p = p2p
@@ -143,6 +144,9 @@ class Transport:
         self._tasks: set[asyncio.Task] = set()  # exchanges being served
         # a stream that has not delivered its request frame within this many seconds is dropped
         self.read_timeout = read_timeout
+        # after a reply, wait for the requester's close before closing (False: close at once, the
+        # old behaviour, kept for scripts/bench_replies.py to compare with)
+        self.linger_after_reply = linger_after_reply
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -277,6 +281,7 @@ class Transport:
             return
         self._inflight += 1
         self._incoming[peer] += 1
+        answered = False
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
@@ -287,8 +292,6 @@ class Transport:
                 await respond(frame, peer, writer)
             except ProtocolError as e:
                 await self._send_reject(writer, protocol_id, e.reason, e.detail)
-                await linger_close(reader, writer)
-                return
             except TimeoutError:
                 logger.debug("%s from %s: no complete frame in %.0f s", protocol_id, peer, self.read_timeout)
                 abort_stream(writer)
@@ -301,7 +304,7 @@ class Transport:
                 self.stats.handler_errors += 1
                 logger.exception("handler for %s failed on a frame from %s", protocol_id, peer)
                 await self._send_reject(writer, protocol_id, Reason.INTERNAL, "the handler failed")
-            await close_stream(writer)
+            answered = True
         except asyncio.CancelledError:
             abort_stream(writer)
             raise
@@ -313,6 +316,18 @@ class Transport:
             self._incoming[peer] -= 1
             if not self._incoming[peer]:
                 del self._incoming[peer]
+        if answered:
+            # the requester closes once it has read the reply; closing first would let p2pd reset
+            # the stream, and a reset can discard the reply before the requester's p2pd passed it
+            # on (docs/REFERENCES.md §7): wait for its close (bounded), then close
+            try:
+                if self.linger_after_reply:
+                    await linger_close(reader, writer)
+                else:
+                    await close_stream(writer)
+            except asyncio.CancelledError:
+                abort_stream(writer)
+                raise
 
     async def _send_reject(self, writer: asyncio.StreamWriter, protocol_id: str, reason: Any, detail: str) -> None:
         self.stats.rejects_sent[(protocol_id, Reason(reason).value)] += 1

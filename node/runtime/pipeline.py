@@ -54,6 +54,9 @@ class Pipeline:
         self.rng = rng or random.Random()
         self.contexts: dict[int, Context] = {}
         self.pending: set[int] = set()  # microbatches accepted and queued for compute
+        # the upstream route each microbatch held here (pending or in a context) came with, to
+        # tell a sender's retry from a copy of the same microbatch sent along another route
+        self.routes: dict[int, tuple[str, ...]] = {}
         self.reserved = 0  # fwd slots held by requests under verification
         self.inflight = 0  # head: microbatches injected and not yet finished
         self.rtts: collections.deque = collections.deque(maxlen=2048)  # head: microbatch round trips (s)
@@ -102,7 +105,7 @@ class Pipeline:
                 self.metrics.served.labels(protocol="fwd", result=Reason.WRONG_EPOCH.value).inc()
                 return refusal
         if fwd.mb in self.pending or fwd.mb in self.contexts:
-            return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd"))
+            return self._again(fwd)
         if self.worker.depth("fwd") + self.reserved >= self.options.queue_size:
             return self._busy_reply(fwd.mb, "compute queue full")
         self.metrics.version_gap.observe(self.trainer.version - fwd.version)
@@ -122,9 +125,28 @@ class Pipeline:
         except QueueFull:
             return self._busy_reply(fwd.mb, "compute queue full")
         self.pending.add(fwd.mb)
+        self.routes[fwd.mb] = fwd.route
         self.tasks.spawn(self._after_fwd(fut, fwd))
         self.metrics.served.labels(protocol="fwd", result="ack").inc()
         self.update_gauges()
+        return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd"))
+
+    def _again(self, fwd) -> list:
+        """A fwd for a microbatch this stage already holds (queued, in a context, or in its
+        backward). An ack can be lost on its way back (a reset stream, a timeout) after the fwd
+        was taken, and the sender then sends the same microbatch again: to us (a retry along the
+        same route: acked again, it is the same microbatch) or to another replica of our stage,
+        which passes it on, so a copy reaches the next stage along a second route. From here only
+        one gradient goes back, along the route it came first; the copy is acked and skipped at
+        once, so the stages on its route free their contexts now rather than at their TTL."""
+        first = self.routes.get(fwd.mb)
+        if first is not None and first != fwd.route:
+            self.metrics.served.labels(protocol="fwd", result="duplicate").inc()
+            log.info("mb %x came again along another route (%s, first %s): skipped there", fwd.mb,
+                     fwd.route[-1][-8:], first[-1][-8:] if first else "-")
+            self.tasks.spawn(self.sender.send_bwd(
+                fwd.mb, fwd.route + (self.peer_id,),
+                skip=Skip("duplicate", Reason.STALE, "this microbatch reached the next stage along another route")))
         return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd"))
 
     async def _after_fwd(self, fut: asyncio.Future, fwd) -> None:
@@ -140,6 +162,7 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001
             log.error("forward of mb %x failed: %r", fwd.mb, e)
             self.pending.discard(fwd.mb)
+            self.routes.pop(fwd.mb, None)
             self.metrics.microbatches.labels(outcome="failed").inc()
             await self.sender.send_bwd(fwd.mb, route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]),
                                        epoch=fwd.epoch)
@@ -147,6 +170,7 @@ class Pipeline:
         self.pending.discard(fwd.mb)
         self.update_gauges()
         if self.is_tail:
+            self.routes.pop(fwd.mb, None)  # its gradient is all the tail owes upstream
             grad = result[0]
             self.metrics.microbatches.labels(outcome="done").inc()
             await self.sender.send_bwd(fwd.mb, route, grad=grad, epoch=fwd.epoch)
@@ -227,11 +251,13 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001
             log.error("backward of mb %x failed: %r", ctx.mb, e)
             self.pending.discard(ctx.mb)
+            self.routes.pop(ctx.mb, None)
             self._finish(ctx, "failed")
             await self.sender.send_bwd(ctx.mb, bwd.route, skip=Skip("failed", Reason.INTERNAL, str(e)[:200]),
                                        epoch=ctx.epoch)
             return
         self.pending.discard(ctx.mb)
+        self.routes.pop(ctx.mb, None)
         self.update_gauges()
         self._finish(ctx, "done")
         if self.index > 0:
@@ -256,6 +282,7 @@ class Pipeline:
         ctx = self.contexts.pop(mb, None)
         if ctx is None:
             return
+        self.routes.pop(mb, None)
         if ctx.next_peer and ctx.sent_at:
             self.router.on_done(ctx.next_peer)
         log.debug("dropped mb %x (%s)", mb, skip.why)
@@ -279,6 +306,13 @@ class Pipeline:
         for mb in lost:
             self.drop(mb, Skip("next-hop-lost", Reason.INTERNAL))
         return len(lost)
+
+    def prune_routes(self) -> None:
+        """Forget the route of a microbatch no longer held here (each path that lets one go does
+        so itself; this bounds the table whatever happens). Call between events, not inside one."""
+        if len(self.routes) > len(self.pending) + len(self.contexts):
+            for mb in [mb for mb in self.routes if mb not in self.pending and mb not in self.contexts]:
+                del self.routes[mb]
 
     def update_gauges(self) -> None:
         self.metrics.queue_depth.labels(direction="fwd").set(self.worker.depth("fwd"))

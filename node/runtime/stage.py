@@ -338,6 +338,7 @@ class StageRuntime:
         """One maintenance beat: context TTLs and probes, morph seeds, then the gauges and the status cache."""
         self.liveness.sweep()
         self.morph.sweep()
+        self.pipeline.prune_routes()
         self.metrics.tokens_per_s.set(self.tokens_per_s())
         self.metrics.capacity.set(self.capacity_tokens_per_s())
         self.metrics.banned_peers.set(len(self.router.banned()))

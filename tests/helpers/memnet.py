@@ -48,6 +48,9 @@ class MemTransport:
         self.sent: list[tuple[str, str, dict]] = []
         self.undialled: set[str] = set()  # peers whose (new) address this transport does not know
         self.dialled: list[str] = []
+        # (peer, protocol id, request header) -> True: the peer handles the request, but its reply
+        # never reaches us (on libp2p: a stream reset that overtook the reply, or a timeout)
+        self.lose_reply = None
         net.peers[peer_id] = self
 
     async def serve(self, protocol_id, handler, *, limits=None):
@@ -86,6 +89,8 @@ class MemTransport:
                 reply = await asyncio.wait_for(reply, timeout)
         except ProtocolError as e:
             reply = make_reject(e.reason, e.detail)
+        if self.lose_reply is not None and self.lose_reply(peer, protocol_id, dict(frame.header)):
+            raise PeerUnreachable(f"{peer} closed the {protocol_id} stream without a reply")
         reply = frame_of(buffers_of(*reply) if isinstance(reply, tuple) else reply)
         if reply.header["type"] == "reject":
             if reply.header["reason"] == "busy":
