@@ -149,3 +149,20 @@ def test_lab_cleans_up_after_a_failure_inside_the_block():
             lab.add_node("a")
             lab.sh(lab.router, "ip", "link", "set", "no-such-link", "up")  # fails: LabError
     assert prefix and _namespaces(prefix) == []
+
+
+def _host_guard_routes(metric: str) -> list[str]:
+    out = subprocess.run(["ip", "route", "show", "table", "main", "7.77.0.0/16"],
+                         capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if line.startswith("blackhole") and f"metric {metric}" in line]
+
+
+def test_lab_addresses_are_blackholed_in_the_host_namespace_while_the_lab_is_up():
+    with Lab() as lab:
+        a = lab.add_node("a")
+        metric = lab.host_guard_metric
+        assert metric is not None and len(_host_guard_routes(metric)) == 1
+        # from the host namespace the lab's (real, public) addresses are unreachable, not routed out
+        r = subprocess.run(["ip", "route", "get", a.public_ip], capture_output=True, text=True)
+        assert r.returncode != 0 or r.stdout.startswith("blackhole"), r.stdout + r.stderr
+    assert _host_guard_routes(metric) == []

@@ -29,6 +29,15 @@ Processes run in a node's namespace with :meth:`Lab.popen` (``ip netns exec``, e
 PYTHONPATH kept); :func:`in_netns` runs a Python function on a thread inside a namespace (the
 test process scrapes a node's metrics on the node's own 127.0.0.1 that way, so nothing is added
 to the host's network).
+
+Why 7.77.0.0/16: libp2p's AutoNAT and relay logic treat private and reserved ranges (10/8,
+192.168/16, 100.64/10, 198.18/15, the documentation nets) as not public, so a lab built on them
+cannot show a node that is reachable directly next to one that is not. The lab's "internet" uses
+a public-looking range instead; it exists only inside the lab's namespaces (the router namespace
+has no uplink). So that nothing in the host's own namespace can ever send a packet to those real
+addresses while a lab is up (a stray dial of an announced lab address, say), each lab adds a
+``blackhole`` route for 7.77.0.0/16 in the host namespace (its own metric, so labs may overlap)
+and removes it on close.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from pathlib import Path
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/run/netns")
 ROUTER_IF_PREFIX = "l"
+LAB_NET = "7.77.0.0/16"  # the lab's "internet"; blackholed in the host namespace while a lab is up
 _OPEN_LABS: list[Lab] = []
 
 
@@ -151,11 +161,13 @@ class Lab:
         self.delay_queue = 7000 + secrets.randbelow(50000)
         self.partitioned: set[str] = set()
         self._closed = False
+        self.host_guard_metric: str | None = None
         reason = lab_unavailable()
         if reason:
             raise LabError(reason)
         _OPEN_LABS.append(self)
         try:
+            self._guard_host()
             self._add_ns(self.router)
             self.sh(self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self.netem = delay != "nfqueue" and netem_available(self.router)
@@ -173,6 +185,19 @@ class Lab:
         if check and r.returncode != 0:
             raise LabError(f"{' '.join(cmd)}: {r.stderr.strip() or r.stdout.strip()}")
         return r
+
+    def _guard_host(self) -> None:
+        """Blackhole the lab's addresses in the host namespace (see the module docstring)."""
+        for _ in range(20):
+            metric = str(1000 + secrets.randbelow(60000))
+            r = subprocess.run(["ip", "route", "add", "blackhole", LAB_NET, "metric", metric],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                self.host_guard_metric = metric
+                return
+            if "exists" not in r.stderr:
+                raise LabError(f"ip route add blackhole {LAB_NET}: {r.stderr.strip()}")
+        raise LabError(f"could not add a host blackhole route for {LAB_NET}")
 
     def _add_ns(self, ns: str) -> None:
         subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
@@ -383,6 +408,10 @@ class Lab:
             _kill_namespace_processes(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()
+        if self.host_guard_metric is not None:
+            subprocess.run(["ip", "route", "del", "blackhole", LAB_NET, "metric", self.host_guard_metric],
+                           capture_output=True)
+            self.host_guard_metric = None
         if self in _OPEN_LABS:
             _OPEN_LABS.remove(self)
 
