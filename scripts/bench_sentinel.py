@@ -121,8 +121,9 @@ def parse_args(argv=None):
     ap.add_argument("--harm-rows", type=int, default=1,
                     help="--part harm: sequences of each microbatch whose harm is measured (the tail's forward and "
                     "the head's backward per attacked tensor dominate the part's time)")
-    ap.add_argument("--harm-off", default="",
-                    help="--part harm: comma list of SENTINEL distances not judged (ablation, e.g. pos,ctx,cum)")
+    ap.add_argument("--harm-off", default="pos",
+                    help="--part harm: comma list of SENTINEL distances not judged (default: the verifier's own default, pos; "
+                    "ablation e.g. pos,ctx,cum; 'none' judges them all)")
     ap.add_argument("--harm-lag", type=int, default=0,
                     help="--part harm: the honest twin replica's weights are this many steps old "
                     "(0: the manifest's asyncmesh.avg_every, the steps between two averaging rounds)")
@@ -233,7 +234,7 @@ def _three_stage_layout(n_layers: int):
     return ((0, max(1, a)), (max(1, a), max(2, b)), (max(2, b), n_layers))
 
 
-def make_verifier(m, kappa, warmup, seed, off=()):
+def make_verifier(m, kappa, warmup, seed, off=None):
     s = m.sentinel
     overrides = {}
     if kappa is not None:
@@ -242,7 +243,8 @@ def make_verifier(m, kappa, warmup, seed, off=()):
         overrides["warmup"] = warmup
     cfg = type("Cfg", (), {f: overrides.get(f, getattr(s, f))
                            for f in ("beta_act", "beta_grad", "n_projections", "warmup", "window", "kappa")})
-    return SentinelVerifier.from_config(cfg, k=m.k, seq_len=m.model.seq_len, seed=seed, off=tuple(off))
+    extra = {} if off is None else {"off": tuple(off)}
+    return SentinelVerifier.from_config(cfg, k=m.k, seq_len=m.model.seq_len, seed=seed, **extra)
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -543,7 +545,7 @@ def harm(args) -> dict:
     twin = build_stage(m, 1)
     snaps: collections.deque = collections.deque(maxlen=lag + 1)
     head_params = [p for p in head.parameters() if p.requires_grad]
-    settings = dict(kappa=args.kappa, warmup=args.warmup, off=[o for o in args.harm_off.split(",") if o])
+    settings = dict(kappa=args.kappa, warmup=args.warmup, off=[o for o in args.harm_off.split(",") if o and o != "none"])
     cases = harm_cases(args.harm_families)
     runs = {}
     for i, (case, (fam, attack, kw)) in enumerate(cases.items()):

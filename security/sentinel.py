@@ -100,7 +100,9 @@ class SentinelParams:
     pos_c: float = 6.0  # pos (activations): a position is an outlier when its squared residual is > pos_c x the batch median
     ctx_buckets: int = 16384  # context table rows: (previous, current) token pair -> hash % ctx_buckets
     beta_ratio: float = 0.85  # cum: EMA decay of a sender's own fence ratios, per tensor of its own
-    off: tuple = ()  # distances not judged (ablations: bench_sentinel --harm-off)
+    # distances not judged (ablations: bench_sentinel --harm-off). pos by default: it flagged 6.7%
+    # of a lone sender's honest activations in bench_sentinel's detection part (docs/SENTINEL.md)
+    off: tuple = ("pos",)
     sender_window: int = 12  # a sender's own recent accepted distances (its fence)
     sender_min: int = 5  # ... counted once it holds this many
     max_senders: int = 1024  # per-sender records kept (least recently seen dropped)
@@ -753,6 +755,8 @@ class Sentinel:
         b = self.params.beta_ratio
         ema, cum = {}, 0.0
         for name in SINGLE:
+            if name in self.params.off:
+                continue
             fence = fences.get(name, math.inf)
             if name not in d or not math.isfinite(fence) or fence <= 0 or not math.isfinite(d[name]):
                 if name in prev:
