@@ -250,7 +250,11 @@ async def test_dead_next_hop_is_probed_banned_and_traffic_moves(test_manifest):
     maintain = [asyncio.ensure_future(rt.maintain(period=0.05)) for rt in rts]
     try:
         assert await wait_for(lambda: b1.version >= 3 and b2.version >= 3, timeout=60)
-        b1.transport.down = True  # kill -9
+        # kill -9 while the head waits on b1 (a microbatch of its own went there): with nothing
+        # waiting on b1 the head has no reason to probe it and may just keep routing to b2
+        assert await wait_for(lambda: any(c.next_peer == "b1" and c.sent_at for c in head.pipeline.contexts.values()),
+                              timeout=30)
+        b1.transport.down = True  # kill -9 (no await since the check: b1 still holds that microbatch)
         t_kill = time.monotonic()
         steps_at_kill = tail.version
         assert await wait_for(lambda: head.router.is_banned("b1"), timeout=10)
