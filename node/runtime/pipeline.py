@@ -54,6 +54,9 @@ class Pipeline:
         self.rng = rng or random.Random()
         self.contexts: dict[int, Context] = {}
         self.pending: set[int] = set()  # microbatches accepted and queued for compute
+        # microbatches whose fwd is being verified (not yet pending): a copy arriving meanwhile
+        # along another route is a duplicate too, not a second microbatch to compute
+        self.admitting: set[int] = set()
         # the upstream route each microbatch held here (pending or in a context) came with, to
         # tell a sender's retry from a copy of the same microbatch sent along another route
         self.routes: dict[int, tuple[str, ...]] = {}
@@ -104,32 +107,42 @@ class Pipeline:
             if refusal is not None:
                 self.metrics.served.labels(protocol="fwd", result=Reason.WRONG_EPOCH.value).inc()
                 return refusal
-        if fwd.mb in self.pending or fwd.mb in self.contexts:
+        if fwd.mb in self.pending or fwd.mb in self.contexts or fwd.mb in self.admitting:
             return self._again(fwd)
         if self.worker.depth("fwd") + self.reserved >= self.options.queue_size:
             return self._busy_reply(fwd.mb, "compute queue full")
         self.metrics.version_gap.observe(self.trainer.version - fwd.version)
         self.reserved += 1
+        self.admitting.add(fwd.mb)
+        self.routes[fwd.mb] = fwd.route
+        admitted = False
         try:
             verdict = await self.guard.verify(peer, "act", fwd.c, fwd.version, fwd.ids, fwd.mb)
+            reply, admitted = self._admit(fwd, verdict)
         finally:
             self.reserved -= 1
+            self.admitting.discard(fwd.mb)
+            if not admitted:
+                self.routes.pop(fwd.mb, None)
+        return reply
+
+    def _admit(self, fwd, verdict) -> tuple[list, bool]:
+        """After the verdict: (the reply, whether the microbatch was queued for compute)."""
         if not verdict.accept:
             self.metrics.served.labels(protocol="fwd", result="rejected-by-verifier").inc()
             return make_reject(Reason.REJECTED_BY_VERIFIER, str(verdict.reason), mb=fwd.mb,
-                               score=verdict_score(verdict))
+                               score=verdict_score(verdict)), False
         if fwd.horizon_s is not None and self.trainer.pipeline_horizon:
             self.trainer.note_head_horizon(fwd.horizon_s)
         try:
             fut = self.worker.submit("fwd", self.trainer.compute_fwd, fwd)
         except QueueFull:
-            return self._busy_reply(fwd.mb, "compute queue full")
+            return self._busy_reply(fwd.mb, "compute queue full"), False
         self.pending.add(fwd.mb)
-        self.routes[fwd.mb] = fwd.route
         self.tasks.spawn(self._after_fwd(fut, fwd))
         self.metrics.served.labels(protocol="fwd", result="ack").inc()
         self.update_gauges()
-        return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd"))
+        return make_ack(fwd.mb, self.index, self.trainer.version, queue=self.worker.depth("fwd")), True
 
     def _again(self, fwd) -> list:
         """A fwd for a microbatch this stage already holds (queued, in a context, or in its
