@@ -10,13 +10,16 @@ from protocol.frames import (
     MESSAGE_TYPES, PREFIX_LEN, PROTOCOL_VERSION, Frame, FrameDecoder, FrameHead, Limits, ProtocolError,
     Reason, TensorEntry, encode_frame, encode_frame_bytes, parse_header, parse_prefix, tensor_bytes,
 )
+from protocol.state_transfer import (
+    StateAssembler, StateRequest, make_state_chunk, make_state_request, state_chunks, validate_state_request,
+)
 from protocol.messages import (
     BWD, EXCHANGES, FLOAT_DTYPES, FWD, HEALTH, INDEX_DTYPES, MAX_DETAIL, MAX_HORIZON_S, MAX_ID_LEN, MAX_ROUTE,
     MORPH, MORPH_SEED_BYTES, OPTIONAL_FIELDS, PROTOCOLS, REQUIRED_FIELDS, SKIP_ONLY_FIELDS, STATE, Bwd, Expect, Fwd,
-    MorphSeed, Refused, Reply, StateAssembler, StateRequest, TensorSpec, check_finite, check_request, check_run,
+    MorphSeed, Refused, Reply, TensorSpec, check_finite, check_request, check_run,
     check_tensors, make_ack, make_bwd, make_fwd, make_health, make_health_request, make_morph_seed, make_reject,
-    make_reject_for, make_state_chunk, make_state_request, parse_health, parse_reply, state_chunks, validate_bwd,
-    validate_fwd, validate_health_request, validate_morph_seed, validate_state_request,
+    make_reject_for, parse_health, parse_reply, validate_bwd,
+    validate_fwd, validate_health_request, validate_morph_seed,
 )
 
 __all__ = [

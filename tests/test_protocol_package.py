@@ -7,16 +7,16 @@ import subprocess
 import sys
 
 import protocol
-from protocol import frames, messages
+from protocol import frames, messages, state_transfer
 
 
 def test_all_names_exist_and_are_the_submodules_objects():
     assert len(protocol.__all__) == len(set(protocol.__all__))
     for name in protocol.__all__:
         obj = getattr(protocol, name)
-        origin = [m for m in (frames, messages) if name in vars(m)]
+        origin = [m for m in (frames, messages, state_transfer) if name in vars(m)]
         assert origin and all(getattr(m, name) is obj for m in origin), name
-    used = {  # names other packages import from protocol.frames / protocol.messages
+    used = {  # names other packages import from protocol.frames / .messages / .state_transfer
         "PROTOCOL_VERSION", "MAGIC", "PREFIX_LEN", "Frame", "FrameDecoder", "Limits", "ProtocolError", "Reason",
         "encode_frame", "encode_frame_bytes", "parse_header", "parse_prefix", "tensor_bytes",
         "FWD", "BWD", "STATE", "HEALTH", "PROTOCOLS", "EXCHANGES", "REQUIRED_FIELDS", "OPTIONAL_FIELDS",

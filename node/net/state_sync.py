@@ -1,7 +1,7 @@
 """State sync: a joining replica downloads its stage's current weights from an online one.
 
 Over ``/swarm-node/state/1``: the joiner sends one ``state-request``; the server answers with
-``state-chunk`` frames (``protocol.messages.state_chunks``: each body at most
+``state-chunk`` frames (``protocol.state_transfer.state_chunks``: each body at most
 ``max_chunk_bytes``, big tensors sliced) and closes the stream. The joiner checks every chunk
 against its own freshly built stage (``StateAssembler``: names, dtypes, shapes, no overlap, no
 gap), so a peer cannot make it allocate anything its model does not have, and only then copies
