@@ -1,0 +1,171 @@
+"""SENTINEL's per-token references: ``TokenTable`` keeps an EMA of the code each token id (or
+token pair) usually gets, so a receiver can compare a position with what its token predicts, and
+``context_agreement`` scores how well a tensor agrees with the (previous, current) pair table.
+Used by ``security.sentinel`` (the ``tok``, ``tokc``, ``pos`` and ``ctx`` distances); see
+docs/SENTINEL.md."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+class TokenTable:
+    """EMA of the payload's mean vector per token id (hashed into ``buckets`` rows).
+
+    Activations are keyed by the token at the same position; gradients by the next token (the
+    label of the loss at that position), the last position of each row having none.
+    """
+
+    def __init__(self, buckets: int, k: int, beta: float):
+        self.buckets, self.k, self.beta = buckets, k, beta
+        self.table = torch.zeros(buckets, k)
+        self.seen = torch.zeros(buckets, dtype=torch.bool)
+        self.last = torch.zeros(buckets, dtype=torch.long)  # ``count`` at a row's latest update
+        self.count = 0
+
+    @staticmethod
+    def keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor]:
+        """Token vectors (N, k) and their bucket keys (N,) for this direction."""
+        ids = ids.to(x.device)
+        if direction == "grad":
+            x, ids = x[:, :-1], ids[:, 1:]
+        return x.reshape(-1, x.shape[-1]), ids.reshape(-1).long().remainder(buckets)
+
+    @staticmethod
+    def pair_keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Token vectors (N', k) with two keys each: the token key of ``keys`` and a key of the
+        (previous, current) token pair -- activations: position t keyed by (id_{t−1}, id_t);
+        gradients: by (id_t, id_{t+1}), the input token and the label. The first position of
+        a row (activations) or the last (gradients) has no pair and is left out."""
+        ids = ids.to(x.device).long()
+        pair = (ids[:, :-1] * 65599 + ids[:, 1:]).remainder(buckets)
+        X = x[:, 1:] if direction == "act" else x[:, :-1]
+        return X.reshape(-1, x.shape[-1]), ids[:, 1:].reshape(-1), pair.reshape(-1)
+
+    def _to(self, device: torch.device) -> None:
+        if self.table.device != device:
+            self.table, self.seen, self.last = self.table.to(device), self.seen.to(device), self.last.to(device)
+
+    def outliers(self, X: Tensor, keys: Tensor, c: float, fresh: int = 4) -> float | None:
+        """How much of the batch lies far off its rows: z_t = ‖x_t − row‖² over c times the
+        batch's median of it; each position contributes clamp(z_t − 1, 0, 3) (nothing while
+        within c times the typical residual); the mean times √N. Positions carrying another token's
+        code, or a large edit of a few positions, which batch-wide statistics average away. The
+        √N makes the honest spread the same for any batch size (a binomial share's spread is
+        ∝ 1/√N), so one fence suits them all. None while too few of the batch's rows have a
+        residual scale."""
+        if self.count == 0 or X.shape[0] == 0:
+            return None
+        self._to(X.device)
+        # rows updated within the last few batches only: a rare token's row is stale while the
+        # model changes fast, and its positions would all look far off (a lone honest replica of
+        # the test model was flagged 36 times in its first 200 steps before this)
+        known = self.seen[keys] & (self.count - self.last[keys] <= fresh)
+        n = int(known.sum())
+        if n < max(8, X.shape[0] // 4):
+            return None
+        r2 = (X[known] - self.table[keys[known]]).square().sum(1)
+        # relative to this batch's median: while the model changes fast every residual grows
+        # against the lagging rows, which is no attack; a few outlying positions do not move it.
+        # (Per-row residual scales were tried: rows seen a few times have noisy ones, and on
+        # the test model's 128-token payloads honest batches were flagged 20% of the time.)
+        z = r2 / (c * r2.median().clamp_min(1e-30))
+        return float((z - 1.0).clamp(0.0, 3.0).mean()) * math.sqrt(n)
+
+    def agreement(self, X: Tensor, keys: Tensor) -> float | None:
+        """Cosine between the centred token vectors and their ids' centred table rows (a
+        correlation: blind to shifts and scale, which the other distances judge); None while
+        too few of the batch's tokens have been seen."""
+        if self.count == 0 or X.shape[0] == 0:
+            return None
+        self._to(X.device)
+        known = self.seen[keys]
+        if int(known.sum()) < max(8, X.shape[0] // 4):
+            return None
+        C = X[known]
+        Pt = self.table[keys[known]]
+        C = C - C.mean(0)
+        Pt = Pt - Pt.mean(0)
+        den = (C.square().sum() * Pt.square().sum()).sqrt()
+        if float(den) <= 0.0:
+            return 0.0
+        return float((C * Pt).sum() / den)
+
+    def shift(self, X: Tensor, keys: Tensor) -> float | None:
+        """|mean residual| / RMS residual of the token vectors against their ids' rows."""
+        if self.count == 0 or X.shape[0] == 0:
+            return None
+        self._to(X.device)
+        known = self.seen[keys]
+        if int(known.sum()) < max(8, X.shape[0] // 4):
+            return None
+        R = X[known] - self.table[keys[known]]
+        den = R.square().sum(1).mean().sqrt()
+        if float(den) <= 0.0:
+            return 0.0
+        return float(R.mean(0).norm() / den)
+
+    def update(self, X: Tensor, keys: Tensor, weight: float = 1.0) -> None:
+        """Move the rows of the batch's keys toward the batch's per-key means; ``weight`` scales
+        the step (rejected tensors move it less)."""
+        if X.shape[0] == 0:
+            return
+        self._to(X.device)
+        sums = torch.zeros(self.buckets, self.k, device=X.device).index_add_(0, keys, X)
+        counts = torch.bincount(keys, minlength=self.buckets)
+        present = counts > 0
+        means = sums[present] / counts[present].unsqueeze(1).float()
+        old = self.table[present]
+        fresh = ~self.seen[present]
+        a = (1 - self.beta) * weight
+        new = torch.where(fresh.unsqueeze(1), means, (1 - a) * old + a * means)
+        if weight < 1.0:  # a rejected tensor never creates a row, it only nudges existing ones
+            new = torch.where(fresh.unsqueeze(1), old, new)
+            present = present & self.seen
+            new = new[~fresh]
+        self.table[present] = new
+        self.seen |= present
+        self.count += 1
+        self.last[present] = self.count
+
+    def expected(self, ids: Tensor, direction: str, fill: Tensor) -> Tensor:
+        """E[x | token] for every position of ``ids`` (B, L) -> (B, L, k); ``fill`` where unknown."""
+        keys = ids.long().remainder(self.buckets)
+        if direction == "grad":
+            keys = torch.cat([keys[:, 1:], keys[:, -1:]], dim=1)
+        self._to(ids.device)
+        out = self.table[keys].clone()
+        unknown = ~self.seen[keys]
+        out[unknown] = fill.to(out.device)
+        if direction == "grad":
+            out[:, -1] = fill.to(out.device)
+        return out
+
+
+def context_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tensor, tok: Tensor,
+                      pair: Tensor) -> float | None:
+    """Correlation between what a position carries beyond its token's row, x_t − T[id_t], and
+    what its token *pair* usually carries beyond it, C[pair_t] − T[id_t] (``ctx`` is an EMA
+    table keyed by the (previous, current) token pair, ``TokenTable.pair_keys``). Honest
+    codes depend on their context, and the previous token is part of it; codes exchanged
+    between positions of the same token (every per-token statistic unchanged) lose that
+    dependence. None while too few positions have both rows."""
+    if table is None or ctx is None or table.count == 0 or ctx.count == 0 or X.shape[0] == 0:
+        return None
+    table._to(X.device)
+    ctx._to(X.device)
+    known = table.seen[tok] & ctx.seen[pair]
+    if int(known.sum()) < max(32, X.shape[0] // 8):
+        return None
+    base = table.table[tok[known]]
+    R = X[known] - base
+    C = ctx.table[pair[known]] - base
+    R = R - R.mean(0)
+    C = C - C.mean(0)
+    den = (R.square().sum() * C.square().sum()).sqrt()
+    if float(den) <= 0.0:
+        return 0.0
+    return float((R * C).sum() / den)
