@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import pytest
 import torch
@@ -53,6 +54,28 @@ def chain_logits(rts, ids):
         for rt in rts:
             x = rt.stage(x, ids)
     return x
+
+
+async def with_workers_held(rts, fn):
+    """``fn()`` run on the compute thread of ``rts[0]`` while the compute threads of the others wait:
+    the live weights of all the stages are read between two of their compute jobs."""
+    ready, release = [threading.Event() for _ in rts[1:]], threading.Event()
+
+    def hold(ev):
+        ev.set()
+        release.wait(30)
+
+    held = [rt.worker.submit("ctl", hold, ev) for rt, ev in zip(rts[1:], ready)]
+    try:
+        def run():
+            if not all(ev.wait(30) for ev in ready):
+                raise TimeoutError("a compute thread did not come free within 30 s")
+            return fn()
+
+        return await rts[0].worker.submit("ctl", run)
+    finally:
+        release.set()
+        await asyncio.gather(*held)
 
 
 def seeds_held(rts):
@@ -261,9 +284,15 @@ async def test_a_joiner_gets_state_two_epochs_after_it_appeared_in_the_current_b
         got = await b2.sync_from_replicas()
         assert got.epoch >= appeared + 2 and b2.morph.epoch == got.epoch
         assert "morph_in" in got.tensors and "morph_out" in got.tensors  # the basis maps travel with the weights
-        if b1.morph.epoch == got.epoch:  # (b1 may have entered the next epoch meanwhile)
-            ids = torch.randint(0, 256, (2, m.model.seq_len), generator=torch.Generator().manual_seed(3))
-            via_b1, via_b2 = chain_logits([head, b1, tail], ids), chain_logits([head, b2, tail], ids)
+        ids = torch.randint(0, 256, (2, m.model.seq_len), generator=torch.Generator().manual_seed(3))
+
+        def compare():
+            return b1.trainer.epoch, chain_logits([head, b1, tail], ids), chain_logits([head, b2, tail], ids)
+
+        # with every compute thread held: no fold (which turns b1's weights before its epoch reads the
+        # new one) and no optimizer step of any stage runs while the weights are read
+        epoch_b1, via_b1, via_b2 = await with_workers_held([head, b1, tail, b2], compare)
+        if epoch_b1 == got.epoch:  # (b1 may have entered the next epoch meanwhile)
             rel = float((via_b2 - via_b1).norm() / via_b1.norm())
             assert rel < 0.05, rel  # the joiner's stage fits its neighbours (b1 trained a step or two since)
         b2.set_state("online")
