@@ -240,6 +240,9 @@ class Node:
         self._stop = None
         self._announce_now = None
         self._closing = False
+        self._rejoin_at = 0.0  # next time _stay_joined looks at the DHT
+        self._isolated_since: float | None = None  # since when the DHT has had no neighbour
+        self._had_neighbours = False
 
     # ---- synchronous part (main thread: hivemind's averager forks)
 
@@ -483,6 +486,7 @@ class Node:
             log.warning("could not read peers from the DHT: %r", e)
             return
         self.router.update(peers)
+        self.membership.remember(peers)
         counts = self.router.count_by_stage(self.m.n_stages)
         for s in range(self.m.n_stages):
             own = 1 if (s == self.index and self.runtime.state == "online") else 0
@@ -501,6 +505,44 @@ class Node:
             await self.membership.aannounce(rec, ttl=ttl, timeout=timeout)
         except Exception as e:  # noqa: BLE001
             log.warning("announce failed: %r", e)
+
+    async def _stay_joined(self) -> None:
+        """When the DHT lost every neighbour (this node's link was down long enough for every DHT
+        request to fail), knock at the bootstrap peers and the peers met before until one answers
+        (``Membership.arejoin``); tried at most every ``announce_every`` s, at least every 10 s."""
+        now = time.monotonic()
+        if now < self._rejoin_at:
+            return
+        try:
+            neighbours = await self.membership.aneighbours()
+        except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop training
+            log.debug("could not read the DHT's routing table: %r", e)
+            return
+        self.metrics.dht_neighbours.set(neighbours)
+        if neighbours > 0:
+            self._had_neighbours = True
+            if self._isolated_since is not None:
+                log.info("back in the DHT after %.0f s alone", now - self._isolated_since)
+                self._isolated_since = None
+            return
+        if not self._had_neighbours and not self.cfg.initial_peers:
+            return  # the first node of a swarm: alone until someone joins, nobody to knock at
+        if self._isolated_since is None:
+            self._isolated_since = now
+            log.warning("the DHT lost every neighbour (this node's network was down?): rejoining through the "
+                        "bootstrap peers and the peers met before")
+        try:
+            answered = await self.membership.arejoin(self.transport.connect, list(self.cfg.initial_peers))
+        except Exception as e:  # noqa: BLE001
+            log.debug("rejoin failed: %r", e)
+            answered = 0
+        if answered:
+            self.metrics.dht_rejoins.inc()
+            self.metrics.dht_neighbours.set(answered)
+            log.info("rejoined the DHT through %d peer(s) after %.0f s alone", answered, now - self._isolated_since)
+            self._isolated_since = None
+        else:
+            self._rejoin_at = now + min(10.0, max(1.0, self.cfg.announce_every))
 
     async def _refresh_maddrs(self) -> None:
         """Announce the addresses p2pd has now: behind NAT, a relay address (``.../p2p-circuit``)
@@ -525,6 +567,7 @@ class Node:
         while not self._closing:
             if not self.cfg.local:
                 await self._refresh_maddrs()
+            await self._stay_joined()
             await self._announce(PeerRecord)
             await self._refresh_peers()
             if time.monotonic() - last_manifest > 4 * self.cfg.announce_every:

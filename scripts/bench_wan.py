@@ -209,6 +209,8 @@ def main() -> int:
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--sentinel", action="store_true", help="verify with SENTINEL (default: the basic checks)")
+    p.add_argument("--batch-size", type=int, default=0, help="data.batch_size (default: the manifest's)")
+    p.add_argument("--max-inflight", type=int, default=0, help="train.max_inflight (default: the manifest's)")
     p.add_argument("--workdir", default="")
     args = p.parse_args()
 
@@ -227,6 +229,10 @@ def main() -> int:
     base = load_manifest(args.manifest)
     if not args.sentinel:
         base = base.replace(sentinel={"enabled": False})
+    if args.batch_size:  # local fields (not hashed): the same run with more tokens per microbatch
+        base = base.replace(data={"batch_size": args.batch_size})
+    if args.max_inflight:
+        base = base.replace(train={"max_inflight": args.max_inflight})
     manifests = {"subspace": base, "dense": base.replace(subspace={"enabled": False})}
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-wan-"))
     workdir.mkdir(parents=True, exist_ok=True)

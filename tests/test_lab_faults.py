@@ -63,6 +63,10 @@ def test_a_partitioned_middle_replica_heals_without_restart_and_no_context_leaks
         # healed: the same process (no restart) serves forwards again
         assert _wait(lambda: served(mid_b) >= served_b_cut + 5, 90), (served_b_cut, served(mid_b), mid_b.logs()[-3000:])
         assert mid_b.proc.poll() is None and mid_b.proc.pid == pid_b
+        # 30 s of failed DHT requests empty mid-b's routing table (and take it out of the others'); it
+        # is back in the DHT, whether someone's request found it or it knocked at the bootstrap peer
+        # (the second path alone: tests/test_rejoin.py)
+        assert _wait(lambda: sw.value(mid_b, "swarm_node_dht_neighbours") >= 1, 30)
         assert sw.value(tail, "swarm_node_steps_total") > steps_at_cut + during
 
         # the head leaves: within the context TTL every stage holds no microbatch any more

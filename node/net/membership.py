@@ -31,6 +31,7 @@ node never leaves a ``p2pd`` behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -374,6 +375,9 @@ class Membership:
         self.subkey = peer_subkey(dht.peer_id.to_base58())
         self.forged = {"peer": 0, "manifest": 0}
         self._seen_forged: set = set()  # (kind, subkey, expiration) already counted
+        # peer id -> (multiaddrs it announced, when we last saw it): where to knock when we lost the DHT
+        self._met: dict[str, tuple[list[str], float]] = {}
+        self.rejoins = 0
 
     def _count_forged(self, kind: str, subkey, expiration: float) -> None:
         mark = (kind, repr(subkey)[:200], expiration)
@@ -470,3 +474,74 @@ class Membership:
         fut = self.dht.store(self.key_peers, record.to_value(), get_dht_time() + (ttl or self.ttl),
                              subkey=self.subkey, return_future=True)
         return bool(await asyncio.wait_for(fut, timeout))
+
+    # ---- staying joined
+
+    def remember(self, records: list[PeerRecord]) -> None:
+        """Keep the announced addresses of the peers we saw (the most recent ``MET_KEEP``): where
+        ``arejoin`` knocks when the DHT lost every neighbour and the bootstrap peers are gone too."""
+        now = time.monotonic()
+        for r in records:
+            if r.maddrs and r.peer_id != self.dht.peer_id.to_base58():
+                self._met[r.peer_id] = (list(r.maddrs)[:8], now)
+        if len(self._met) > MET_KEEP:
+            for pid, _ in sorted(self._met.items(), key=lambda kv: kv[1][1])[: len(self._met) - MET_KEEP]:
+                del self._met[pid]
+
+    async def aneighbours(self, timeout: float = 5.0) -> int:
+        """How many peers the DHT's routing table holds now."""
+        return int(await asyncio.wait_for(self.dht.run_coroutine(_routing_table_size, return_future=True), timeout))
+
+    async def arejoin(self, connect, initial_peers: list[str], timeout: float = 3.0) -> int:
+        """Put peers back into a DHT routing table that lost them all.
+
+        The DHT drops a neighbour from its table when a request to it fails and takes one in only
+        when it answers or asks something; a node whose link was down for longer than a few
+        requests (a Wi-Fi drop, a router restart) ends with an empty table, and nobody asks a
+        node that nobody knows: it would stay out of the swarm for good, its records expired
+        everywhere. So dial (``connect(maddr, timeout)``, the stream transport's) the bootstrap
+        peers and the peers met before, then ping them from the DHT, which takes every one that
+        answers back into its table (and they take us into theirs). Returns how many answered."""
+        candidates: dict[str, list[str]] = {}
+        for maddr in initial_peers:
+            pid = maddr.rstrip("/").rpartition("/p2p/")[2]
+            if pid:
+                candidates.setdefault(pid, []).append(maddr)
+        for pid, (maddrs, _) in sorted(self._met.items(), key=lambda kv: -kv[1][1]):
+            full = [m for m in maddrs if m.endswith(f"/p2p/{pid}")]
+            if full and pid not in candidates:
+                candidates[pid] = full[:3]
+
+        async def dial(maddrs: list[str]) -> str | None:
+            for maddr in maddrs:  # the first address of the peer's that answers
+                try:
+                    return await connect(maddr, timeout=timeout)
+                except Exception as e:  # noqa: BLE001 - one unreachable peer is expected here
+                    log.debug("rejoin: %s did not answer: %r", maddr, e)
+            return None
+
+        dialled = [p for p in await asyncio.gather(*(dial(m) for m in candidates.values())) if p]
+        if not dialled:
+            return 0
+        answered = await asyncio.wait_for(
+            self.dht.run_coroutine(functools.partial(_ping_all, dialled), return_future=True), timeout + 5.0)
+        if answered:
+            self.rejoins += 1
+        return int(answered)
+
+
+MET_KEEP = 64  # peers whose addresses Membership.remember keeps
+
+
+async def _routing_table_size(dht, node) -> int:
+    """In the DHT's process: peers in its routing table."""
+    return len(node.protocol.routing_table.peer_id_to_uid)
+
+
+async def _ping_all(peer_ids: list[str], dht, node) -> int:
+    """In the DHT's process: ping each peer (already dialled); the routing table takes those that answer."""
+    from hivemind.p2p import PeerID
+
+    got = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(p), validate=False) for p in peer_ids),
+                               return_exceptions=True)
+    return sum(1 for g in got if g is not None and not isinstance(g, BaseException))

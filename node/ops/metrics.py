@@ -101,6 +101,9 @@ class NodeMetrics:
         self.bans = Counter("swarm_node_bans", "Peers banned by routing (failures, timeouts, verifier)",
                             ["cause"], registry=r)
         self.peers = Gauge("swarm_node_peers", "Online peers seen per stage in the DHT", ["stage"], registry=r)
+        self.dht_neighbours = Gauge("swarm_node_dht_neighbours", "Peers in this node's DHT routing table", registry=r)
+        self.dht_rejoins = Counter("swarm_node_dht_rejoins", "Times this node rejoined the DHT after losing every "
+                                   "neighbour (its network was down)", registry=r)
         self.checkpoint_step = Gauge("swarm_node_checkpoint_step", "Step of the newest checkpoint written",
                                      registry=r)
         self.checkpoint_time = Gauge("swarm_node_checkpoint_timestamp_seconds",
