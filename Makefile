@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
-# a bootstrap peer + 3 stage processes on 127.0.0.1 train runs/default.toml on the bundled corpus;
+# a bootstrap peer + 3 stage processes on 127.0.0.1 train stages/runs/default.toml on the bundled corpus;
 # stops by itself after DEMO_STEPS tail steps (or Ctrl-C); `make demo DEMO_STEPS=0` runs until stopped
 demo: setup
 	$(VENV)/bin/swarm-node demo --steps $(DEMO_STEPS)

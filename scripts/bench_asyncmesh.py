@@ -44,7 +44,7 @@ Data axis (R replicas of the whole model, equal tokens):
   ``independent`` (no averaging at all: what the averaging adds is measured against it),
   ``sparse_second`` and ``sparse_outer`` (experiments, docs/ASYNCMESH.md), on ``--avg-seeds`` seeds.
 
-Loss runs use a smaller model than runs/default.toml (d_model 64, seq_len 64, k 8; ``settings``
+Loss runs use a smaller model than stages/runs/default.toml (d_model 64, seq_len 64, k 8; ``settings``
 says so) to fit ~10 minutes on a shared 2-core CPU; ``--quick`` is a smoke run (seconds).
 """
 
@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-inflight", type=int, default=0,
                    help="head's microbatches in flight, loss runs and real swarm alike (0: the manifest's "
-                   "train.max_inflight, 6 in runs/default.toml: for S = 3 the loss runs' delays are (4, 2, 0), "
+                   "train.max_inflight, 6 in stages/runs/default.toml: for S = 3 the loss runs' delays are (4, 2, 0), "
                    "what the real swarm measures at 6, whose busy fraction is above 0.9, docs/ASYNCMESH.md)")
     p.add_argument("--lookahead-target", choices=("momentum", "update"), default=None,
                    help="what look-ahead extrapolates (default: the manifest's asyncmesh.lookahead_target)")
@@ -755,7 +755,7 @@ def main(argv=None) -> int:
             out["utilisation"] = simulated
         if args.manifest_optim:
             # the same pipeline runs with the optimizer the shipped manifest trains with
-            # (runs/default.toml: AdamW (0.9, 0.95)) instead of docs/REFERENCES.md §2's NAdam (0.99, 0.999)
+            # (stages/runs/default.toml: AdamW (0.9, 0.95)) instead of docs/REFERENCES.md §2's NAdam (0.99, 0.999)
             mo = load_manifest(args.manifest).optim
             mo_args = argparse.Namespace(**{**vars(args), "optim": mo.name, "beta1": mo.betas[0],
                                             "beta2": mo.betas[1], "lr": mo.lr})

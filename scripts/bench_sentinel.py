@@ -775,7 +775,7 @@ def real_run(args) -> dict:
 
     attack = args.real_attack or args.strongest
     workdir = Path(args.real_workdir or tempfile.mkdtemp(prefix="bench-sentinel-real-"))
-    # The SENTINEL settings of --manifest (runs/default.toml, or --warmup / --kappa), not the
+    # The SENTINEL settings of --manifest (stages/runs/default.toml, or --warmup / --kappa), not the
     # test manifest's short warm-up of 4 (there for fast tests): with it the tail falsely banned an
     # honest replica of three in the first seconds of a real run.
     shipped = load_manifest(args.manifest).sentinel

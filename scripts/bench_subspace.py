@@ -1,6 +1,6 @@
 """Benchmark: Subspace Networks vs the dense baseline, trained for the same tokens.
 
-Both variants of one manifest (default: runs/default.toml) are trained as chained stages in one
+Both variants of one manifest (default: stages/runs/default.toml) are trained as chained stages in one
 process (so the subspace run really goes through encode/decode at every boundary) on the same
 batches of the bundled corpus, with the same optimizer and schedule. The dense model keeps the
 same frozen token table (h0 = T[x] + E[x]), so the variants differ only in the constraint.

@@ -10,7 +10,7 @@ optimizer steps. Prints ONE JSON object:
 
 Throughput is measured between the tail's first and last optimizer step (start-up excluded on
 both sides; validation excluded for train-local). Default: the shipped default manifest for 60
-steps (a few minutes on a loaded 2-core box); ``--quick``: runs/test.toml for 60 steps. The
+steps (a few minutes on a loaded 2-core box); ``--quick``: stages/runs/test.toml for 60 steps. The
 baseline runs with whichever torch thread count is faster here (probed first; see settings).
 
     .venv/bin/python scripts/bench_swarm.py [--quick] [--steps N] [--manifest M] [--no-sentinel]
@@ -133,7 +133,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", default=None, help="run manifest (default: default; test with --quick)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps on each side (default 60)")
-    p.add_argument("--quick", action="store_true", help="smoke run on runs/test.toml")
+    p.add_argument("--quick", action="store_true", help="smoke run on stages/runs/test.toml")
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads per swarm node (default 1)")
     p.add_argument("--timeout", type=float, default=900, help="seconds the swarm may train")
     p.add_argument("--workdir", default="", help="keep the swarm's logs here")

@@ -213,6 +213,12 @@ def rows() -> list[tuple[str, list]]:
         ("Membership and averaging", [
             timeseries_panel("Peers per stage (DHT)", "short",
                              q("max by (stage) (swarm_node_peers)", "stage {{stage}}")),
+            timeseries_panel("DHT neighbours and rejoins", "short",
+                             q("swarm_node_dht_neighbours", "{{instance}} neighbours"),
+                             q("increase(swarm_node_dht_rejoins_total[5m])", "{{instance}} rejoins"),
+                             description="Peers in each node's DHT routing table. At 0 a node cannot reach the "
+                                         "swarm's records (its network was down); it knocks at its bootstrap peers "
+                                         "and the peers it met until one answers, counted as a rejoin."),
             table_panel("Node state", "none", q("swarm_node_state == 1", "{{instance}} {{state}}")),
             table_panel("Nodes: run, stage and role", "none", q(STAGE_OF, "{{instance}} {{role}} {{stage}}")),
             timeseries_panel("Averaging rounds by result", "short",

@@ -464,12 +464,9 @@ def load_manifest(path: str | Path) -> Manifest:
 
 
 def shipped_manifest_path(name: str) -> Path | None:
-    """Path of a manifest shipped with the project (``runs/NAME.toml``), if present."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "runs" / f"{name}.toml", here / "runs" / f"{name}.toml"):
-        if candidate.exists():
-            return candidate
-    return None
+    """Path of a manifest shipped with the project (``stages/runs/NAME.toml``), if present."""
+    candidate = Path(__file__).resolve().parent / "runs" / f"{name}.toml"
+    return candidate if candidate.exists() else None
 
 
 def _is_ed25519_public_b64(text: str) -> bool:

@@ -22,11 +22,11 @@ def pytest_asyncio_loop_factories(config, item):
 def test_manifest():
     from stages import load_manifest
 
-    return load_manifest(ROOT / "runs" / "test.toml")
+    return load_manifest(ROOT / "stages" / "runs" / "test.toml")
 
 
 @pytest.fixture(scope="session")
 def default_manifest():
     from stages import load_manifest
 
-    return load_manifest(ROOT / "runs" / "default.toml")
+    return load_manifest(ROOT / "stages" / "runs" / "default.toml")

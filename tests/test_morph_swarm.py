@@ -42,7 +42,7 @@ def one_torch_thread():
 
 
 def morph_manifest(test_manifest, every=EVERY):
-    """runs/test.toml with an optimizer that follows a change of basis (Muon, SGD for the rest)."""
+    """stages/runs/test.toml with an optimizer that follows a change of basis (Muon, SGD for the rest)."""
     return test_manifest.replace(optim={"name": "muon", "lr": 0.02, "aux_optimizer": "sgd", "aux_lr": 0.05},
                                  schedule={"warmup_steps": 2}, morph={"every": every})
 

@@ -1,5 +1,5 @@
 """End to end with morphing: a bootstrap peer and three stage nodes, each its own process with its own
-p2pd on loopback, train runs/test.toml with Muon and ``[morph] every = 20``. Every node goes through
+p2pd on loopback, train stages/runs/test.toml with Muon and ``[morph] every = 20``. Every node goes through
 at least five morph epochs (seeds dealt over ``/swarm-node/morph/1``, both sides folding their own
 side), and the tail's loss falls as far as the same swarm's without morphing.
 """

@@ -93,7 +93,7 @@ def outcomes(tmp_path_factory):
         os.chmod(open_key, 0o644)
         # a manifest that differs from the swarm's in two consensus fields (and one local one)
         other = tmp / "other.toml"
-        text = (ROOT / "runs" / "test.toml").read_text()
+        text = (ROOT / "stages" / "runs" / "test.toml").read_text()
         other.write_text(text.replace("seq_len = 32", "seq_len = 16").replace('lr = 3e-3', 'lr = 1e-2')
                          .replace("max_inflight = 2", "max_inflight = 3"))
         # a stage far bigger than this machine's memory (first node of its own swarm: no peers)

@@ -1,6 +1,6 @@
 """A real Prometheus (Debian package `prometheus`, installed by .ci/run) scrapes a real local swarm.
 
-One swarm (bootstrap + 3 stages, runs/test.toml) serves every assertion here: Prometheus on
+One swarm (bootstrap + 3 stages, stages/runs/test.toml) serves every assertion here: Prometheus on
 loopback with a generated config scrapes every node; after two scrapes its HTTP API must return
 the swarm's series with sane values; and every metric the Grafana dashboard and the alert rules
 name must be one that the running nodes really export.

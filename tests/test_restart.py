@@ -2,7 +2,7 @@
 resumes at its newest checkpoint (same peer id, same stage, optimizer version = the checkpoint's
 step) and the swarm trains on.
 
-A two-stage variant of runs/test.toml keeps this to three processes (bootstrap, head, tail).
+A two-stage variant of stages/runs/test.toml keeps this to three processes (bootstrap, head, tail).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from security.bans import flag_weight
 from security.sentinel import Sentinel, SentinelParams
 
 K = 8
-MARGIN = 0.5  # runs/default.toml's sentinel.ban_margin
+MARGIN = 0.5  # stages/runs/default.toml's sentinel.ban_margin
 
 
 @pytest.fixture(autouse=True)

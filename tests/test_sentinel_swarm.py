@@ -1,5 +1,5 @@
 """The SENTINEL ban flow over real streams: a loopback swarm of separate processes (bootstrap,
-head, two replicas of the middle stage, tail; runs/test.toml with SENTINEL on) in which the second
+head, two replicas of the middle stage, tail; stages/runs/test.toml with SENTINEL on) in which the second
 middle replica joins with ``--attack scaling --allow-attacks``. Its neighbours ban it (the tail for
 its activations, the head because the tail keeps refusing its output), the honest replica
 carries the stage's traffic afterwards, training goes on with a finite loss, nobody honest is

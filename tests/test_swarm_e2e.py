@@ -1,5 +1,5 @@
 """End to end: a bootstrap peer and three stage nodes, each its own process with its own p2pd on
-loopback, train runs/test.toml; the tail's loss falls clearly below its start; the metrics
+loopback, train stages/runs/test.toml; the tail's loss falls clearly below its start; the metrics
 endpoint tells the story; SIGTERM drains every node, which exits 0 leaving no p2pd behind.
 """
 
@@ -56,7 +56,7 @@ def test_bootstrap_and_three_stages_train_and_leave_cleanly(tmp_path):
             assert metric_sum(m, "swarm_node_state", state="online") == 1
             for s in range(3):  # every node sees one online peer per stage
                 assert metric_sum(m, "swarm_node_peers", stage=str(s)) == 1
-        assert mh["swarm_node_inflight_microbatches"] <= 2  # runs/test.toml: train.max_inflight = 2
+        assert mh["swarm_node_inflight_microbatches"] <= 2  # stages/runs/test.toml: train.max_inflight = 2
         # the metrics are read one node after the other while training goes on: a microbatch the tail
         # has stepped on may still be on its way back (at most train.max_inflight = 2 of them), so
         # what the stages before it count on the way back may trail the tail's steps by that much

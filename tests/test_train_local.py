@@ -85,7 +85,7 @@ def _cli_in_process(args):
 @pytest.mark.timeout(240)
 def test_cli_end_to_end(corpus, cache_dir, tmp_path, monkeypatch, capsys):
     ck, jl = tmp_path / "ck", tmp_path / "log.jsonl"
-    base = ["--manifest", str(ROOT / "runs" / "test.toml"), "--checkpoint-dir", str(ck), "--json-log", str(jl),
+    base = ["--manifest", str(ROOT / "stages" / "runs" / "test.toml"), "--checkpoint-dir", str(ck), "--json-log", str(jl),
             "--device", "cpu", "--no-progress"]
     r = _cli_subprocess([*base, "--steps", "3"], cache_dir)
     assert r.returncode == 0, r.stderr

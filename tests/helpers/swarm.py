@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def basic_verifier_manifest(tmp_path):
-    """runs/test.toml with the basic verifier (dtype, shape, finite) instead of SENTINEL. Every
+    """stages/runs/test.toml with the basic verifier (dtype, shape, finite) instead of SENTINEL. Every
     tensor still passes a verifier; SENTINEL's calibration is tested on its own, and one false
     positive there (a 60 s ban) would stall a daemon test for reasons that are not the daemon's."""
     from node.ops import write_manifest
