@@ -23,9 +23,9 @@ tokens/s by the loopback cell's with the same codec.
     sudo .venv/bin/python scripts/bench_wan.py [--seconds 60] [--profiles consumer,...] [--codecs dense]
 
 Default: the shipped default manifest with the basic verifier (``--sentinel`` for SENTINEL),
-60 s per cell, six cells: about 2.5 minutes per cell (start-up, 60 s, checkpoints) on 2 cores; it
-took 40 minutes with the cores shared at load average 30-50. ``--manifest test --seconds 45``:
-13 minutes there.
+60 s per cell, six cells: 481 s in all on an idle 2-core machine (40 minutes with the cores
+shared at load average 30-50). ``--batch-size`` / ``--max-inflight`` override the manifest's
+local fields (``--manifest test --batch-size 64 --max-inflight 4``: a latency-bound swarm).
 """
 
 from __future__ import annotations
