@@ -43,6 +43,8 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
                (activations: a few positions carrying other tokens' codes)
        ctx   = 1 − corr(x_t − T[id_t], C[pair_t] − T[id_t]), C keyed by the token pair
                (codes exchanged between positions of one token keep every per-token statistic)
+       ctxc  = the sender's ctx averaged over its own tensors minus the other senders' median
+               (as tokc for tok: the exchange made on every tensor adds up)
        cum   = max over the single-tensor distances of the sender's averaged fence ratio minus
                the other senders' median (``Sentinel._cum``: a sender riding just inside the
                fences on every tensor)
@@ -72,7 +74,7 @@ from torch import Tensor
 from security.token_table import TokenTable, context_agreement
 
 DIRECTIONS = ("act", "grad")
-DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "cum")
+DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "cum")
 # the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
 SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx")
 
@@ -232,7 +234,7 @@ def distances(s: Stats, r: Stats) -> dict[str, float]:
 # Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
 # honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
 # Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
-SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02, "pos": 0.15, "ctx": 0.02, "cum": 0.1}
+SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02, "pos": 0.15, "ctx": 0.02, "ctxc": 0.02, "cum": 0.1}
 
 
 def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) -> float:
@@ -281,6 +283,7 @@ class SenderRecord:
     seen: int = 0
     rejected: int = 0
     tok_ema: float | None = None  # EMA of its tok distance over all its tensors (for tokc)
+    ctx_ema: float | None = None  # ... of its ctx distance (for ctxc)
     ratio_ema: dict | None = None  # EMA of its single-tensor fence ratios, capped at 1 (for cum)
 
 
@@ -530,7 +533,7 @@ class Sentinel:
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
         ref = self._reference(state, sender)
         d = distances(s, ref) if ref is not None else {}
-        tX = tkeys = tok_ema = ratio_ema = None
+        tX = tkeys = tok_ema = ctx_ema = ratio_ema = None
         cX = cpair = None
         if ids is not None:
             tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
@@ -544,6 +547,8 @@ class Sentinel:
                         d[name] = 1.0 - value if name in ("tok", "ctx") else value
             if "tok" in d:
                 d["tokc"], tok_ema = self._tokc(state, sender, d["tok"])
+            if "ctx" in d:
+                d["ctxc"], ctx_ema = self._tokc(state, sender, d["ctx"], "ctx_ema")
 
         basis, score, worst = "warmup", 0.0, None
         if state.accepted >= p.warmup:
@@ -569,6 +574,8 @@ class Sentinel:
         verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis)
         if commit:
             self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, tok_ema)
+            if ctx_ema is not None:
+                state.senders[sender].ctx_ema = ctx_ema
             if ratio_ema is not None:
                 state.senders[sender].ratio_ema = ratio_ema
             if cX is not None and accept:
@@ -613,8 +620,12 @@ class Sentinel:
             return None, ema
         return cum, ema
 
-    def _tokc(self, state: _Direction, sender: str, tok: float) -> tuple[float, float]:
-        """(tokc, the sender's updated tok EMA). tokc: how far the sender's ``tok`` distance,
+    def _tokc(self, state: _Direction, sender: str, tok: float, field: str = "tok_ema") -> tuple[float, float]:
+        """(tokc, the sender's updated tok EMA); with ``field="ctx_ema"`` the same for ``ctx``
+        (``ctxc``: codes exchanged between positions of one token on every tensor lift ``ctx``
+        by ~0.35 against an honest per-tensor spread of ~0.08, which a single tensor's fence,
+        about 4.7 spreads wide, lets through; the average of a few lies many spreads above the
+        other senders'). tokc: how far the sender's ``tok`` distance,
         averaged over its own last few tensors (rejected ones included, EMA ``beta_cum``), lies
         above the median of the voters' averages. A persistent small shift that single tensors
         hide inside the ``tok`` fence (norm-matched noise on gradients) adds up in the average;
@@ -630,9 +641,9 @@ class Sentinel:
         needs a majority); the single-tensor distances, ``tok`` included, still are."""
         p = self.params
         rec = state.senders.get(sender)
-        others = [r.tok_ema for r in self._voters(state) if r.tok_ema is not None and r is not rec]
+        others = [getattr(r, field) for r in self._voters(state) if getattr(r, field) is not None and r is not rec]
         med = statistics.median(others) if len(others) >= 2 else None
-        prev = rec.tok_ema if rec is not None and rec.tok_ema is not None else med
+        prev = getattr(rec, field) if rec is not None and getattr(rec, field) is not None else med
         ema = tok if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * tok
         return (0.0 if med is None else max(0.0, ema - med)), ema
 

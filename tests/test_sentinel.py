@@ -484,6 +484,40 @@ def test_persistent_noise_is_caught_by_the_cumulative_tok_distance(direction):
     assert honest_rejected <= 4
 
 
+def test_codes_exchanged_within_a_token_on_every_tensor_are_caught_by_the_averaged_ctx():
+    """An insider that exchanges codes between positions of the same token on every tensor keeps
+    every per-token statistic; its ``ctx`` (how well a position's code agrees with its token
+    pair's) rises toward 1 on each tensor, and averaged over its own tensors (ctxc, against the
+    median of the other senders' averages) it is flagged, while the honest senders are not."""
+    V = 32
+    g0 = torch.Generator().manual_seed(1234)
+    E, F = 3 * torch.randn(V, K, generator=g0), torch.randn(V, K, generator=g0)
+    g = torch.Generator().manual_seed(7)
+
+    def batch():  # the previous token moves the code too, weakly: honest ctx ≈ 0.74
+        ids = torch.randint(0, V, (4, 64), generator=g)
+        return ids, E[ids] + 0.4 * F[torch.roll(ids, 1, dims=1)] + 1.2 * torch.randn(4, 64, K, generator=g)
+
+    sen = Sentinel(SentinelParams(warmup=10))
+    atk = make_attack("ctxswap", seed=3)
+    flagged, honest_rejected, ctxc = [], 0, {"honest": [], "m": []}
+    for t in range(200):
+        ids, x = batch()
+        sender = "abcm"[t % 4]
+        if sender == "m" and t >= 80:
+            j = sen.judge("m", "act", atk(x, t, ids=ids), ids)
+            flagged.append(j.reason)
+        else:
+            j = sen.judge(sender, "act", x, ids)
+            honest_rejected += t >= 80 and not j.accept
+        if t >= 120:
+            ctxc["m" if sender == "m" else "honest"].append(j.distances.get("ctxc", 0.0))
+    assert sum(r in ("sentinel:ctxc", "sentinel:ctx") for r in flagged) >= 27, flagged
+    assert "sentinel:ctxc" in flagged
+    assert honest_rejected <= 2
+    assert min(ctxc["m"]) > 0.15 and max(ctxc["honest"]) < 0.05, ctxc
+
+
 def test_cumulative_tok_needs_two_other_voters():
     """Of two senders that differ persistently, neither is the odd one: tokc stays 0 for both
     (with a third sender it flags the noisy one, as above); the single-tensor distances still
