@@ -30,18 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def read_steps(path: Path) -> list[dict]:
-    out = []
-    try:
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    except FileNotFoundError:
-        pass
-    return out
+from node.ops.logs import read_json_log  # noqa: E402
 
 
 def pick_local_threads(manifest, probe_steps: int = 3) -> tuple[int, dict]:
@@ -106,7 +95,7 @@ def run_swarm(manifest_arg: str, manifest, steps: int, torch_threads: int, workd
         codes = {n.name: n.proc.poll() for n in nodes}
     finally:
         sw.close()
-    tail_steps = read_steps(logs[-1])
+    tail_steps = read_json_log(logs[-1])
     if len(tail_steps) < 2:
         raise RuntimeError(f"the swarm did not train (tail logged {len(tail_steps)} steps; exit codes {codes})")
     first, last = tail_steps[0], tail_steps[-1]

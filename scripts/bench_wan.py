@@ -43,24 +43,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from node.ops.logs import read_json_log  # noqa: E402
+
 PROFILES = {
     "loopback": dict(up_mbit=None, down_mbit=None, delay_ms=0.0, loss=0.0),
     "consumer": dict(up_mbit=10, down_mbit=50, delay_ms=15.0, loss=0.005),
     "datacenter-80": dict(up_mbit=80, down_mbit=80, delay_ms=2.5, loss=0.0),
 }
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    except FileNotFoundError:
-        pass
-    return out
 
 
 class Archiver(threading.Thread):
@@ -169,7 +158,7 @@ def run_cell(lab, manifest, profile: str, codec: str, seconds: float, ckpt_every
         codes = sw.close(timeout=60)
         archiver.sweep()
         archiver.stop.set()
-    tail = read_jsonl(logs[-1])
+    tail = read_json_log(logs[-1])
     if len(tail) < 2:
         raise RuntimeError(f"{profile}/{codec}: the tail logged {len(tail)} steps (exit codes {codes}; logs in {cell})")
     first, last = tail[0], tail[-1]

@@ -39,3 +39,21 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
         root.warning("unknown log level %r, using INFO", level)
     # hivemind is chatty at INFO
     logging.getLogger("hivemind").setLevel(max(root.level, logging.WARNING))
+
+
+def read_json_log(path) -> list[dict]:
+    """The objects of a ``--json-log`` file (one JSON object per line), in order; lines that do
+    not parse (a line being written as we read) are skipped, a missing file is empty."""
+    import json
+    from pathlib import Path
+
+    out = []
+    try:
+        for line in Path(path).read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    except FileNotFoundError:
+        pass
+    return out
