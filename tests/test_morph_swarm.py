@@ -92,6 +92,40 @@ async def deal_and_enter(rts, epoch):
 
 
 @pytest.mark.asyncio
+async def test_a_dealer_that_entered_the_epoch_still_delivers_its_seed_to_a_replica_it_missed(test_manifest):
+    """The head deals boundary 0's seed while the head's record has not reached the body yet (so
+    the body answers ``busy``), and enters the epoch (its own side needs only its own seed). The
+    seed stays with the head until the body has it: once the body sees the head it gets it,
+    enters the epoch with the others and the chain is unchanged; then the head forgets it.
+    (Forgetting it at the fold left a lone body replica waiting for a seed nobody held any
+    more: a swarm stalled so in the e2e test.)"""
+    m = morph_manifest(test_manifest)
+    net = Net()
+    head, body, tail = rts = [make_runtime(m, i, f"p{i}", net, seed=i) for i in range(3)]
+    link(rts)
+    body.router.update([Rec(body.peer_id, 1), Rec(tail.peer_id, 2)])  # the head's record has not reached the body
+    await start_all(rts)
+    ids = torch.randint(0, 256, (2, m.model.seq_len), generator=torch.Generator().manual_seed(5))
+    try:
+        before = chain_logits(rts, ids)
+        for rt in rts:
+            rt.morph.sweep()
+        assert await wait_for(lambda: body.morph.has_seed(1, 1) and tail.morph.has_seed(1, 1), timeout=10)
+        assert await head.morph.enter(1)
+        assert not body.morph.has_seed(0, 1) and head.morph.has_seed(0, 1)  # kept: the body lacks it
+        assert not await body.morph.enter(1)  # a seed missing: the body cannot follow yet
+        link(rts)  # the head's record arrives
+        head.morph.sweep()
+        assert await wait_for(lambda: body.morph.has_seed(0, 1), timeout=10)
+        assert await body.morph.enter(1) and await tail.morph.enter(1)
+        torch.testing.assert_close(chain_logits(rts, ids), before, rtol=2e-4, atol=2e-4)
+        head.morph.sweep()  # every replica across boundary 0 has it now: the head drops it
+        assert not any(key[1] == 1 for rt in rts for key in rt.morph._seeds)
+    finally:
+        await stop_all(rts)
+
+
+@pytest.mark.asyncio
 async def test_both_sides_derive_the_same_transform_the_chain_is_unchanged_and_the_seed_stays_secret(
         test_manifest, caplog):
     m = morph_manifest(test_manifest)

@@ -15,7 +15,8 @@ replicas of stages b and b+1 share and nobody else sees. This part of a stage:
   flight came back; the others at the first fwd of the next epoch, or when a neighbour's
   ``wrong-epoch`` reject says they are behind): one job on the compute thread folds both sides
   (``Trainer.fold``), then every microbatch still in flight here is dropped with a ``skip``
-  upstream, and the seeds are forgotten;
+  upstream, and the seeds are forgotten (a seed it dealt only once every settled replica across
+  its boundary has taken it, or at the next epoch: ``_redeal``);
 - keeps the **settling table**: the epoch at which it first saw each peer. A peer is *settled*
   after two epoch changes (or when it was seen in epoch 0, a founder): only settled peers get
   this stage's state (``serve_state``'s gate) and seeds, so a joiner receives weights and seeds
@@ -133,6 +134,7 @@ class MorphEpochs:
             return
         if self.own_since is None:
             self.own_since = self.epoch
+        self._redeal()
         self._deal()
 
     def _self_settled(self) -> bool:
@@ -165,11 +167,41 @@ class MorphEpochs:
             log.info("morph: dealing the seed of boundary %d for epoch %d", b, e1)
         if key not in self._dealt or self._seeds[key][0] != mine:
             return  # we are not (or no longer) the dealer
-        for stage in (b, b + 1):
-            for p in self.router.stage_peers(stage):
-                if p.peer_id not in self._dealt[key] and p.peer_id not in self._pushing and self.settled(p.peer_id):
-                    self._pushing.add(p.peer_id)
-                    self.tasks.spawn(self._push(p.peer_id, key))
+        self._push_all(key)
+
+    def _undelivered(self, key: tuple[int, int]) -> list[str]:
+        """The settled online replicas across the boundary of ``key`` that have not taken its seed."""
+        b, dealt = key[0], self._dealt.get(key, set())
+        return [p.peer_id for stage in (b, b + 1) for p in self.router.stage_peers(stage)
+                if p.peer_id not in dealt and self.settled(p.peer_id)]
+
+    def _delivered(self, key: tuple[int, int]) -> bool:
+        """Every settled online replica across the boundary took the seed of ``key``, and at least
+        one replica of the stage after it did (one we do not see yet may still need it)."""
+        after = key[0] + 1
+        took = [self.router.peers.get(p) for p in self._dealt.get(key, ())]
+        return not self._undelivered(key) and any(p is not None and p.stage == after for p in took)
+
+    def _push_all(self, key: tuple[int, int]) -> bool:
+        """Push the seed of ``key`` to every replica that has not taken it yet; True when it is delivered."""
+        for peer in self._undelivered(key):
+            if peer not in self._pushing:
+                self._pushing.add(peer)
+                self.tasks.spawn(self._push(peer, key))
+        return self._delivered(key)
+
+    def _redeal(self) -> None:
+        """The seed this node dealt for the epoch it is in now, to the replicas that have not
+        taken it yet (a replica that was not yet online in our view when we dealt, or whose
+        push failed): without it that replica could never enter the epoch, and a lone replica
+        of its stage would have nobody to re-download its state from. Forgotten once every
+        settled replica across the boundary has it, and at the next epoch in any case."""
+        b = self.boundaries()[1]
+        key = (b, self.epoch)
+        if b is None or key not in self._dealt or key not in self._seeds:
+            return
+        if self._push_all(key):
+            del self._seeds[key], self._dealt[key]
 
     async def _push(self, peer: str, key: tuple[int, int]) -> None:
         b, e1 = key
@@ -283,12 +315,15 @@ class MorphEpochs:
             return True
 
     def _forget(self, epoch: int) -> None:
-        """Drop the seeds (and dealer records) of ``epoch`` and before."""
+        """Drop the seeds (and dealer records) of ``epoch`` and before, except a seed this node
+        dealt for ``epoch`` itself that not every replica across its boundary has taken yet
+        (``_redeal`` pushes it on, then drops it)."""
         for e in [e for e in self._waiting_since if e <= epoch]:
             del self._waiting_since[e]
-        for key in [k for k in self._seeds if k[1] <= epoch]:
+        keep = {k for k in self._dealt if k[1] == epoch and not self._delivered(k)}
+        for key in [k for k in self._seeds if k[1] <= epoch and k not in keep]:
             del self._seeds[key]
-        for key in [k for k in self._dealt if k[1] <= epoch]:
+        for key in [k for k in self._dealt if k[1] <= epoch and k not in keep]:
             del self._dealt[key]
 
     def adopted(self, epoch: int) -> None:
