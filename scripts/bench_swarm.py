@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node.ops.logs import read_json_log  # noqa: E402
+from node.ops import read_json_log  # noqa: E402
 
 
 def pick_local_threads(manifest, probe_steps: int = 3) -> tuple[int, dict]:

@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node.ops.logs import read_json_log  # noqa: E402
+from node.ops import read_json_log  # noqa: E402
 
 PROFILES = {
     "loopback": dict(up_mbit=None, down_mbit=None, delay_ms=0.0, loss=0.0),

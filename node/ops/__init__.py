@@ -34,6 +34,7 @@ _EXPORTS = {
     "restore_module": "node.ops.checkpoint",
     "list_checkpoints": "node.ops.checkpoint",
     "read_checkpoint": "node.ops.checkpoint",
+    "read_json_log": "node.ops.logs",
     "restore_optimizer": "node.ops.checkpoint",
     "save_checkpoint": "node.ops.checkpoint",
     "train": "node.ops.train_local",
