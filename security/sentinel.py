@@ -41,7 +41,9 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
 
        pos   = √N · mean_t clamp(z_t − 1, 0, 3),  z_t = ‖x_t − T[id_t]‖² / (c · median_t)
                (activations: a few positions carrying other tokens' codes)
-       ctx   = 1 − corr(x_t − T[id_t], C[pair_t] − T[id_t]), C keyed by the token pair
+       ctx   = 1 − corr(x_t − T[id_t], what the position's context usually adds): activations
+               P[id_{t−1}], an EMA of the residual by previous token; gradients
+               C[pair_t] − T[id_t], C keyed by the (token, label) pair (token_table.context_keys)
                (codes exchanged between positions of one token keep every per-token statistic)
        ctxc  = the sender's ctx averaged over its own tensors minus the other senders' median
                (as tokc for tok: the exchange made on every tensor adds up)
@@ -71,7 +73,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from security.token_table import TokenTable, context_agreement
+from security.token_table import TokenTable, context_keys, context_score, context_update
 
 DIRECTIONS = ("act", "grad")
 DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "cum")
@@ -534,15 +536,15 @@ class Sentinel:
         ref = self._reference(state, sender)
         d = distances(s, ref) if ref is not None else {}
         tX = tkeys = tok_ema = ctx_ema = ratio_ema = None
-        cX = cpair = None
+        cX = ctok = cpair = None
         if ids is not None:
             tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
-            cX, ctok, cpair = TokenTable.pair_keys(Xn.view(x.shape), ids, direction, p.ctx_buckets)
+            cX, ctok, cpair = context_keys(Xn.view(x.shape), ids, direction, p.ctx_buckets)
+            ctok = ctok.remainder(p.token_buckets)
             if state.table is not None and state.table.k == k:
                 for name, value in (("tok", state.table.agreement(tX, tkeys)), ("shift", state.table.shift(tX, tkeys)),
                                     ("pos", state.table.outliers(tX, tkeys, p.pos_c) if direction == "act" else None),
-                                    ("ctx", context_agreement(state.table, state.ctx, cX,
-                                                              ctok.remainder(p.token_buckets), cpair))):
+                                    ("ctx", context_score(state.table, state.ctx, cX, ctok, cpair, direction))):
                     if value is not None:
                         d[name] = 1.0 - value if name in ("tok", "ctx") else value
             if "tok" in d:
@@ -582,7 +584,7 @@ class Sentinel:
                 table_weight = p.reject_weight if basis == "shift" else 1.0
                 if state.ctx is None or state.ctx.k != k:
                     state.ctx = TokenTable(p.ctx_buckets, k, p.beta_tok)
-                state.ctx.update(cX, cpair, table_weight)
+                context_update(state.table, state.ctx, cX, ctok, cpair, direction, table_weight)
         return verdict
 
     def _cum(self, state: _Direction, sender: str, d: dict[str, float],

@@ -1,6 +1,8 @@
 """SENTINEL's per-token references: ``TokenTable`` keeps an EMA of the code each token id (or
 token pair) usually gets, so a receiver can compare a position with what its token predicts, and
-``context_agreement`` scores how well a tensor agrees with the (previous, current) pair table.
+``context_agreement`` / ``residual_agreement`` score how well a tensor agrees with what its
+positions' contexts usually carry (``context_keys``, ``context_score``, ``context_update``: the
+previous token for activations, the (token, label) pair for gradients).
 Used by ``security.sentinel`` (the ``tok``, ``tokc``, ``pos`` and ``ctx`` distances); see
 docs/SENTINEL.md."""
 
@@ -169,3 +171,62 @@ def context_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tenso
     if float(den) <= 0.0:
         return 0.0
     return float((R * C).sum() / den)
+
+
+def residual_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tensor, tok: Tensor,
+                       key: Tensor) -> float | None:
+    """Correlation between what a position carries beyond its token's row, x_t − T[id_t], and the
+    EMA of that residual over the positions with the same context key (``ctx`` holds residuals,
+    ``context_update``). None while too few positions have both rows."""
+    if table is None or ctx is None or table.count == 0 or ctx.count == 0 or X.shape[0] == 0:
+        return None
+    table._to(X.device)
+    ctx._to(X.device)
+    known = table.seen[tok] & ctx.seen[key]
+    if int(known.sum()) < max(32, X.shape[0] // 8):
+        return None
+    R = X[known] - table.table[tok[known]]
+    P = ctx.table[key[known]]
+    R = R - R.mean(0)
+    P = P - P.mean(0)
+    den = (R.square().sum() * P.square().sum()).sqrt()
+    if float(den) <= 0.0:
+        return 0.0
+    return float((R * P).sum() / den)
+
+
+# The context a position's code is compared with. Activations: the previous token alone, its
+# table holding the residual x − T[id] (256 rows at a byte vocabulary, each filled by a few
+# positions of every microbatch); gradients: the (input token, label) pair. Measured on the
+# default model after 90 steps (16 x 128 tokens, 20 batches to fill, 20 judged): honest agreement
+# 0.45–0.53 by the previous token vs 0.31–0.45 by the pair on activations, 0.15–0.25 vs 0.26–0.40
+# on gradients; codes exchanged between positions of one token −0.04–0.07 either way.
+
+
+def context_keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(token vectors (N', k), their token ids (N',), their context keys (N',)); see above."""
+    X, tok, pair = TokenTable.pair_keys(x, ids, direction, buckets)
+    if direction == "act":
+        return X, tok, ids.to(x.device).long()[:, :-1].reshape(-1).remainder(buckets)
+    return X, tok, pair
+
+
+def context_score(table: TokenTable | None, ctx: TokenTable | None, X: Tensor, tok: Tensor, key: Tensor,
+                  direction: str) -> float | None:
+    """The agreement ``ctx`` is 1 minus (``tok``: keys of ``table``)."""
+    fn = residual_agreement if direction == "act" else context_agreement
+    return fn(table, ctx, X, tok, key)
+
+
+def context_update(table: TokenTable | None, ctx: TokenTable, X: Tensor, tok: Tensor, key: Tensor,
+                   direction: str, weight: float = 1.0) -> None:
+    """Fold an accepted tensor into the context table: activations' residuals against the token
+    rows (positions whose token has a row), gradients' codes."""
+    if direction != "act":
+        ctx.update(X, key, weight)
+        return
+    if table is None or table.count == 0:
+        return
+    table._to(X.device)
+    known = table.seen[tok]
+    ctx.update((X - table.table[tok])[known], key[known], weight)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from security import ADAPTIVE_FAMILIES, ATTACKS, make_attack
+from security.token_table import context_agreement, context_keys, context_score, context_update
 from security.sentinel import (
     DISTANCES,
     Sentinel,
@@ -19,7 +20,6 @@ from security.sentinel import (
     Stats,
     TokenTable,
     compute_stats,
-    context_agreement,
     distances,
     normalize,
     projections,
@@ -212,6 +212,44 @@ def test_context_agreement_sees_codes_exchanged_between_positions_of_one_token()
     Xg, tg, pg = TokenTable.pair_keys(x, ids, "grad", 4096)
     assert torch.equal(Xg, x[:, :-1].reshape(-1, K)) and torch.equal(tg, ids[:, 1:].reshape(-1))
     assert torch.equal(pg, pair)
+
+
+def test_activations_are_compared_with_what_their_previous_token_usually_adds():
+    """Activations: the context table is keyed by the previous token alone and holds the residual
+    x − T[id]; an honest batch agrees with it, one whose codes were exchanged between positions
+    of the same token does not, though every per-token statistic is unchanged. Gradients keep the
+    (token, label) pair keys."""
+    g = torch.Generator().manual_seed(6)
+    V = 16
+    E, F = 3 * torch.randn(V, K, generator=g), torch.randn(V, K, generator=g)
+    tab, ctx = TokenTable(64, K, 0.9), TokenTable(4096, K, 0.9)
+
+    def batch():
+        ids = torch.randint(0, V, (8, 64), generator=g)
+        return ids, E[ids] + F[torch.roll(ids, 1, dims=1)] + 0.3 * torch.randn(8, 64, K, generator=g)
+
+    ids, x = batch()
+    cX, ctok, key = context_keys(x, ids, "act", 4096)
+    assert torch.equal(key, ids[:, :-1].reshape(-1)) and torch.equal(ctok, ids[:, 1:].reshape(-1))
+    context_update(tab, ctx, cX, ctok, key, "act")  # no token rows yet: nothing to take a residual of
+    assert ctx.count == 0 and context_score(tab, ctx, cX, ctok, key, "act") is None
+    for _ in range(8):
+        ids, x = batch()
+        tab.update(*TokenTable.keys(x, ids, "act", 64))
+        cX, ctok, key = context_keys(x, ids, "act", 4096)
+        context_update(tab, ctx, cX, ctok, key, "act")
+    # the rows hold what the previous token adds, F[prev], up to a constant
+    rows = ctx.table[:V] - ctx.table[:V].mean(0)
+    want = F - F.mean(0)
+    assert float((rows * want).sum() / (rows.norm() * want.norm())) > 0.9
+    ids, x = batch()
+    cX, ctok, key = context_keys(x, ids, "act", 4096)
+    swapped = make_attack("ctxswap", seed=1)(x, 0, ids=ids)
+    sX, _, _ = context_keys(swapped, ids, "act", 4096)
+    assert context_score(tab, ctx, cX, ctok, key, "act") > 0.8
+    assert context_score(tab, ctx, sX, ctok, key, "act") < 0.2
+    _, _, gkey = context_keys(x, ids, "grad", 4096)
+    assert torch.equal(gkey, TokenTable.pair_keys(x, ids, "grad", 4096)[2])
 
 
 # ---------------------------------------------------------------------------- the detector
