@@ -509,7 +509,7 @@ class Node:
     async def _stay_joined(self) -> None:
         """When the DHT lost every neighbour (this node's link was down long enough for every DHT
         request to fail), knock at the bootstrap peers and the peers met before until one answers
-        (``Membership.arejoin``); tried at most every ``announce_every`` s, at least every 10 s."""
+        (``Membership.arejoin``); tried again at every announcement until one answers."""
         now = time.monotonic()
         if now < self._rejoin_at:
             return
