@@ -151,26 +151,10 @@ def context_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tenso
                       pair: Tensor) -> float | None:
     """Correlation between what a position carries beyond its token's row, x_t − T[id_t], and
     what its token *pair* usually carries beyond it, C[pair_t] − T[id_t] (``ctx`` is an EMA
-    table keyed by the (previous, current) token pair, ``TokenTable.pair_keys``). Honest
-    codes depend on their context, and the previous token is part of it; codes exchanged
-    between positions of the same token (every per-token statistic unchanged) lose that
-    dependence. None while too few positions have both rows."""
-    if table is None or ctx is None or table.count == 0 or ctx.count == 0 or X.shape[0] == 0:
-        return None
-    table._to(X.device)
-    ctx._to(X.device)
-    known = table.seen[tok] & ctx.seen[pair]
-    if int(known.sum()) < max(32, X.shape[0] // 8):
-        return None
-    base = table.table[tok[known]]
-    R = X[known] - base
-    C = ctx.table[pair[known]] - base
-    R = R - R.mean(0)
-    C = C - C.mean(0)
-    den = (R.square().sum() * C.square().sum()).sqrt()
-    if float(den) <= 0.0:
-        return 0.0
-    return float((R * C).sum() / den)
+    table keyed by the token pair, ``TokenTable.pair_keys``). Honest codes depend on their
+    context; codes exchanged between positions of the same token (every per-token statistic
+    unchanged) lose that dependence. None while too few positions have both rows."""
+    return _residual_corr(table, ctx, X, tok, pair, residual_rows=False)
 
 
 def residual_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tensor, tok: Tensor,
@@ -178,6 +162,10 @@ def residual_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tens
     """Correlation between what a position carries beyond its token's row, x_t − T[id_t], and the
     EMA of that residual over the positions with the same context key (``ctx`` holds residuals,
     ``context_update``). None while too few positions have both rows."""
+    return _residual_corr(table, ctx, X, tok, key, residual_rows=True)
+
+
+def _residual_corr(table, ctx, X: Tensor, tok: Tensor, key: Tensor, residual_rows: bool) -> float | None:
     if table is None or ctx is None or table.count == 0 or ctx.count == 0 or X.shape[0] == 0:
         return None
     table._to(X.device)
@@ -185,14 +173,15 @@ def residual_agreement(table: TokenTable | None, ctx: TokenTable | None, X: Tens
     known = table.seen[tok] & ctx.seen[key]
     if int(known.sum()) < max(32, X.shape[0] // 8):
         return None
-    R = X[known] - table.table[tok[known]]
-    P = ctx.table[key[known]]
+    base = table.table[tok[known]]
+    R = X[known] - base
+    C = ctx.table[key[known]] if residual_rows else ctx.table[key[known]] - base
     R = R - R.mean(0)
-    P = P - P.mean(0)
-    den = (R.square().sum() * P.square().sum()).sqrt()
+    C = C - C.mean(0)
+    den = (R.square().sum() * C.square().sum()).sqrt()
     if float(den) <= 0.0:
         return 0.0
-    return float((R * P).sum() / den)
+    return float((R * C).sum() / den)
 
 
 # The context a position's code is compared with. Activations: the previous token alone, its
