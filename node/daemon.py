@@ -240,7 +240,6 @@ class Node:
         self._stop = None
         self._announce_now = None
         self._closing = False
-        self._rejoin_at = 0.0  # next time _stay_joined looks at the DHT
         self._isolated_since: float | None = None  # since when the DHT has had no neighbour
         self._had_neighbours = False
 
@@ -511,8 +510,6 @@ class Node:
         request to fail), knock at the bootstrap peers and the peers met before until one answers
         (``Membership.arejoin``); tried again at every announcement until one answers."""
         now = time.monotonic()
-        if now < self._rejoin_at:
-            return
         try:
             neighbours = await self.membership.aneighbours()
         except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop training
@@ -541,8 +538,6 @@ class Node:
             self.metrics.dht_neighbours.set(answered)
             log.info("rejoined the DHT through %d peer(s) after %.0f s alone", answered, now - self._isolated_since)
             self._isolated_since = None
-        else:
-            self._rejoin_at = now + min(10.0, max(1.0, self.cfg.announce_every))
 
     async def _refresh_maddrs(self) -> None:
         """Announce the addresses p2pd has now: behind NAT, a relay address (``.../p2p-circuit``)

@@ -68,7 +68,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -78,6 +78,7 @@ from security.token_table import TokenTable, context_keys, context_score, contex
 DIRECTIONS = ("act", "grad")
 DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "cum")
 # the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
+AVERAGED = ("tok", "ctx")  # distances also judged averaged over a sender's own tensors: tokc, ctxc
 SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx")
 
 
@@ -284,8 +285,7 @@ class SenderRecord:
     out: bool = False  # its latest tensor was outside the fences
     seen: int = 0
     rejected: int = 0
-    tok_ema: float | None = None  # EMA of its tok distance over all its tensors (for tokc)
-    ctx_ema: float | None = None  # ... of its ctx distance (for ctxc)
+    averaged: dict = field(default_factory=dict)  # EMA of its tok and ctx distances over all its tensors (tokc, ctxc)
     ratio_ema: dict | None = None  # EMA of its single-tensor fence ratios, capped at 1 (for cum)
 
 
@@ -535,7 +535,8 @@ class Sentinel:
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
         ref = self._reference(state, sender)
         d = distances(s, ref) if ref is not None else {}
-        tX = tkeys = tok_ema = ctx_ema = ratio_ema = None
+        tX = tkeys = ratio_ema = None
+        averaged: dict[str, float] = {}
         cX = ctok = cpair = None
         if ids is not None:
             tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
@@ -547,10 +548,9 @@ class Sentinel:
                                     ("ctx", context_score(state.table, state.ctx, cX, ctok, cpair, direction))):
                     if value is not None:
                         d[name] = 1.0 - value if name in ("tok", "ctx") else value
-            if "tok" in d:
-                d["tokc"], tok_ema = self._tokc(state, sender, d["tok"])
-            if "ctx" in d:
-                d["ctxc"], ctx_ema = self._tokc(state, sender, d["ctx"], "ctx_ema")
+            for name in AVERAGED:
+                if name in d:
+                    d[name + "c"], averaged[name] = self._tokc(state, sender, name, d[name])
 
         basis, score, worst = "warmup", 0.0, None
         if state.accepted >= p.warmup:
@@ -575,9 +575,7 @@ class Sentinel:
             accept, basis = True, "shift"
         verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis)
         if commit:
-            self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, tok_ema)
-            if ctx_ema is not None:
-                state.senders[sender].ctx_ema = ctx_ema
+            self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, averaged)
             if ratio_ema is not None:
                 state.senders[sender].ratio_ema = ratio_ema
             if cX is not None and accept:
@@ -622,8 +620,8 @@ class Sentinel:
             return None, ema
         return cum, ema
 
-    def _tokc(self, state: _Direction, sender: str, tok: float, field: str = "tok_ema") -> tuple[float, float]:
-        """(tokc, the sender's updated tok EMA); with ``field="ctx_ema"`` the same for ``ctx``
+    def _tokc(self, state: _Direction, sender: str, name: str, value: float) -> tuple[float, float]:
+        """(tokc, the sender's updated tok EMA) for ``name`` = "tok"; the same for "ctx"
         (``ctxc``: codes exchanged between positions of one token on every tensor lift ``ctx``
         by ~0.35 against an honest per-tensor spread of ~0.08, which a single tensor's fence,
         about 4.7 spreads wide, lets through; the average of a few lies many spreads above the
@@ -643,10 +641,10 @@ class Sentinel:
         needs a majority); the single-tensor distances, ``tok`` included, still are."""
         p = self.params
         rec = state.senders.get(sender)
-        others = [getattr(r, field) for r in self._voters(state) if getattr(r, field) is not None and r is not rec]
+        others = [r.averaged[name] for r in self._voters(state) if name in r.averaged and r is not rec]
         med = statistics.median(others) if len(others) >= 2 else None
-        prev = getattr(rec, field) if rec is not None and getattr(rec, field) is not None else med
-        ema = tok if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * tok
+        prev = rec.averaged.get(name, med) if rec is not None else med
+        ema = value if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * value
         return (0.0 if med is None else max(0.0, ema - med)), ema
 
     def _shifted(self, state: _Direction, sender: str | None = None) -> bool:
@@ -691,7 +689,7 @@ class Sentinel:
             state.senders.move_to_end(sender)
         return rec
 
-    def _learn(self, state, sender, direction, s, d, tX, tkeys, accept, score, basis, tok_ema) -> None:
+    def _learn(self, state, sender, direction, s, d, tX, tkeys, accept, score, basis, averaged) -> None:
         """Fold a judged tensor in.
 
         A rejected tensor moves its sender's EMA (one vote in the reference) at ``reject_weight``
@@ -725,8 +723,7 @@ class Sentinel:
                 target = Stats(*(getattr(rec.ema, f) + (getattr(s, f) - getattr(rec.ema, f)) * shrink
                                  for f in Stats.FIELDS))
             rec.ema.ema_(target, 1 - a)
-        if tok_ema is not None:
-            rec.tok_ema = tok_ema  # computed with tokc in _judge
+        rec.averaged.update(averaged)  # computed with tokc / ctxc in judge
         rec.last = state.seen
         rec.seen += 1
         rec.rejected += not accept

@@ -77,32 +77,25 @@ class TokenTable:
         z = r2 / (c * r2.median().clamp_min(1e-30))
         return float((z - 1.0).clamp(0.0, 3.0).mean()) * math.sqrt(n)
 
+    def _seen_rows(self, X: Tensor, keys: Tensor) -> Tensor | None:
+        """The positions whose key has a row, or None while too few of the batch's have one."""
+        if self.count == 0 or X.shape[0] == 0:
+            return None
+        self._to(X.device)
+        known = self.seen[keys]
+        return known if int(known.sum()) >= max(8, X.shape[0] // 4) else None
+
     def agreement(self, X: Tensor, keys: Tensor) -> float | None:
         """Cosine between the centred token vectors and their ids' centred table rows (a
         correlation: blind to shifts and scale, which the other distances judge); None while
         too few of the batch's tokens have been seen."""
-        if self.count == 0 or X.shape[0] == 0:
-            return None
-        self._to(X.device)
-        known = self.seen[keys]
-        if int(known.sum()) < max(8, X.shape[0] // 4):
-            return None
-        C = X[known]
-        Pt = self.table[keys[known]]
-        C = C - C.mean(0)
-        Pt = Pt - Pt.mean(0)
-        den = (C.square().sum() * Pt.square().sum()).sqrt()
-        if float(den) <= 0.0:
-            return 0.0
-        return float((C * Pt).sum() / den)
+        known = self._seen_rows(X, keys)
+        return None if known is None else centred_corr(X[known], self.table[keys[known]])
 
     def shift(self, X: Tensor, keys: Tensor) -> float | None:
         """|mean residual| / RMS residual of the token vectors against their ids' rows."""
-        if self.count == 0 or X.shape[0] == 0:
-            return None
-        self._to(X.device)
-        known = self.seen[keys]
-        if int(known.sum()) < max(8, X.shape[0] // 4):
+        known = self._seen_rows(X, keys)
+        if known is None:
             return None
         R = X[known] - self.table[keys[known]]
         den = R.square().sum(1).mean().sqrt()
@@ -174,14 +167,18 @@ def _residual_corr(table, ctx, X: Tensor, tok: Tensor, key: Tensor, residual_row
     if int(known.sum()) < max(32, X.shape[0] // 8):
         return None
     base = table.table[tok[known]]
-    R = X[known] - base
     C = ctx.table[key[known]] if residual_rows else ctx.table[key[known]] - base
-    R = R - R.mean(0)
-    C = C - C.mean(0)
-    den = (R.square().sum() * C.square().sum()).sqrt()
+    return centred_corr(X[known] - base, C)
+
+
+def centred_corr(A: Tensor, B: Tensor) -> float:
+    """Correlation of two (N, k) sets of vectors, each centred over its N rows; 0 when either is constant."""
+    A = A - A.mean(0)
+    B = B - B.mean(0)
+    den = (A.square().sum() * B.square().sum()).sqrt()
     if float(den) <= 0.0:
         return 0.0
-    return float((R * C).sum() / den)
+    return float((A * B).sum() / den)
 
 
 # The context a position's code is compared with. Activations: the previous token alone, its

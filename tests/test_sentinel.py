@@ -180,19 +180,26 @@ def test_position_outliers_see_a_few_swapped_positions():
     assert tab.outliers(Xe, keys, 6.0) > 1.0
 
 
+def context_traffic(seed, V=16, B=8, f=1.0, noise=0.3, batch_seed=None):
+    """(F, batch): codes that depend on the previous token too, x = E[id] + f·F[prev] + noise,
+    E and F drawn from ``seed``, the batches from ``batch_seed`` (default: the same generator)."""
+    g = torch.Generator().manual_seed(seed)
+    E, F = 3 * torch.randn(V, K, generator=g), torch.randn(V, K, generator=g)
+    gb = g if batch_seed is None else torch.Generator().manual_seed(batch_seed)
+
+    def batch():
+        ids = torch.randint(0, V, (B, 64), generator=gb)
+        return ids, E[ids] + f * F[torch.roll(ids, 1, dims=1)] + noise * torch.randn(B, 64, K, generator=gb)
+
+    return F, batch
+
+
 def test_context_agreement_sees_codes_exchanged_between_positions_of_one_token():
     """ctx: codes that depend on the previous token as well (x = E[id] + F[prev] + noise) agree with
     the pair table; exchanging codes among positions of the same token keeps every per-token
     statistic (tok, shift, pos) and destroys that agreement."""
-    g = torch.Generator().manual_seed(4)
-    V = 16
-    E, F = 3 * torch.randn(V, K, generator=g), torch.randn(V, K, generator=g)
+    _, batch = context_traffic(4)
     tab, ctx = TokenTable(64, K, 0.9), TokenTable(4096, K, 0.9)
-
-    def batch():
-        ids = torch.randint(0, V, (8, 64), generator=g)
-        prev = torch.roll(ids, 1, dims=1)
-        return ids, E[ids] + F[prev] + 0.3 * torch.randn(8, 64, K, generator=g)
 
     for _ in range(8):
         ids, x = batch()
@@ -219,14 +226,9 @@ def test_activations_are_compared_with_what_their_previous_token_usually_adds():
     x − T[id]; an honest batch agrees with it, one whose codes were exchanged between positions
     of the same token does not, though every per-token statistic is unchanged. Gradients keep the
     (token, label) pair keys."""
-    g = torch.Generator().manual_seed(6)
     V = 16
-    E, F = 3 * torch.randn(V, K, generator=g), torch.randn(V, K, generator=g)
+    F, batch = context_traffic(6, V)
     tab, ctx = TokenTable(64, K, 0.9), TokenTable(4096, K, 0.9)
-
-    def batch():
-        ids = torch.randint(0, V, (8, 64), generator=g)
-        return ids, E[ids] + F[torch.roll(ids, 1, dims=1)] + 0.3 * torch.randn(8, 64, K, generator=g)
 
     ids, x = batch()
     cX, ctok, key = context_keys(x, ids, "act", 4096)
@@ -527,14 +529,8 @@ def test_codes_exchanged_within_a_token_on_every_tensor_are_caught_by_the_averag
     every per-token statistic; its ``ctx`` (how well a position's code agrees with its token
     pair's) rises toward 1 on each tensor, and averaged over its own tensors (ctxc, against the
     median of the other senders' averages) it is flagged, while the honest senders are not."""
-    V = 32
-    g0 = torch.Generator().manual_seed(1234)
-    E, F = 3 * torch.randn(V, K, generator=g0), torch.randn(V, K, generator=g0)
-    g = torch.Generator().manual_seed(7)
-
-    def batch():  # the previous token moves the code too, weakly: honest ctx ≈ 0.74
-        ids = torch.randint(0, V, (4, 64), generator=g)
-        return ids, E[ids] + 0.4 * F[torch.roll(ids, 1, dims=1)] + 1.2 * torch.randn(4, 64, K, generator=g)
+    # the previous token moves the code too, weakly: honest ctx ≈ 0.74
+    _, batch = context_traffic(1234, V=32, B=4, f=0.4, noise=1.2, batch_seed=7)
 
     sen = Sentinel(SentinelParams(warmup=10))
     atk = make_attack("ctxswap", seed=3)

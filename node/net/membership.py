@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils import get_dht_time
 
-from node.net.p2p import static_relays_only
+from node.net.p2p import split_peer, static_relays_only
 from node.net.reach import unreachable_line
 from node.net.records import ForgeryCounter, SwarmRecordValidator, manifest_subkey, peer_subkey
 from node.net.routing import announced_rate
@@ -372,7 +372,8 @@ class Membership:
         self.key_manifest = f"{namespace}/manifest"
         self.key_peers = f"{namespace}/peers"
         self.manifest_subkey = manifest_subkey(manifest.run.organiser)
-        self.subkey = peer_subkey(dht.peer_id.to_base58())
+        self.peer_id = dht.peer_id.to_base58()
+        self.subkey = peer_subkey(self.peer_id)
         self.forged = {"peer": 0, "manifest": 0}
         self._seen_forged: set = set()  # (kind, subkey, expiration) already counted
         # peer id -> (multiaddrs it announced, when we last saw it): where to knock when we lost the DHT
@@ -482,7 +483,7 @@ class Membership:
         ``arejoin`` knocks when the DHT lost every neighbour and the bootstrap peers are gone too."""
         now = time.monotonic()
         for r in records:
-            if r.maddrs and r.peer_id != self.dht.peer_id.to_base58():
+            if r.maddrs and r.peer_id != self.peer_id:
                 self._met[r.peer_id] = (list(r.maddrs)[:8], now)
         if len(self._met) > MET_KEEP:
             for pid, _ in sorted(self._met.items(), key=lambda kv: kv[1][1])[: len(self._met) - MET_KEEP]:
@@ -504,11 +505,11 @@ class Membership:
         answers back into its table (and they take us into theirs). Returns how many answered."""
         candidates: dict[str, list[str]] = {}
         for maddr in initial_peers:
-            pid = maddr.rstrip("/").rpartition("/p2p/")[2]
+            pid = split_peer(maddr)[1]
             if pid:
                 candidates.setdefault(pid, []).append(maddr)
         for pid, (maddrs, _) in sorted(self._met.items(), key=lambda kv: -kv[1][1]):
-            full = [m for m in maddrs if m.endswith(f"/p2p/{pid}")]
+            full = [m for m in maddrs if split_peer(m)[1] == pid]
             if full and pid not in candidates:
                 candidates[pid] = full[:3]
 

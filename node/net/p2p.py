@@ -200,10 +200,9 @@ class Transport:
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
         from hivemind.utils.multiaddr import Multiaddr
 
-        # the LAST /p2p/ names the peer: a relayed address is /ip4/R/tcp/P/p2p/RELAY/p2p-circuit/p2p/PEER
-        head, sep, peer_id = maddr.rstrip("/").rpartition("/p2p/")
+        head, peer_id = split_peer(maddr)
         try:
-            if not sep or not head or "/" in peer_id:
+            if not head or not peer_id or "/" in peer_id:
                 raise ValueError(maddr)
             PeerID.from_base58(peer_id)
             addr = Multiaddr(_multiaddr_bytes(head))
@@ -550,6 +549,13 @@ async def start_daemon(*, host_maddrs: Sequence[str], announce_maddrs: Sequence[
         nat_port_map=nat_port_map, auto_nat=auto_nat, startup_timeout=startup_timeout,
         trusted_relays=list(trusted_relays) or None, **kwargs,
     )
+
+
+def split_peer(maddr: str) -> tuple[str, str]:
+    """(the address, the peer id) of a full multiaddr ``.../p2p/<id>``; ("", "") without one. The
+    LAST /p2p/ names the peer: a relayed address is /ip4/R/tcp/P/p2p/RELAY/p2p-circuit/p2p/PEER."""
+    head, sep, peer_id = maddr.rstrip("/").rpartition("/p2p/")
+    return (head, peer_id) if sep else ("", "")
 
 
 def _varint(n: int) -> bytes:
