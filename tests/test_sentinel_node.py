@@ -17,7 +17,7 @@ import torch
 from node.runtime import pin_torch_threads
 from security import SentinelVerifier
 from tests.helpers.runtime import (
-    Net, RecordingVerifier, head_batches, link, make_runtime, start_all, stop_all, value, wait_for,
+    Net, RecordingVerifier, establish, head_batches, link, make_runtime, start_all, stop_all, value, wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,6 +150,7 @@ async def test_scattered_refusals_of_an_honest_replica_never_ban_it(test_manifes
     head = make_runtime(test_manifest, 0, "head", net, batches=head_batches(test_manifest))
     b1, b2 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2"))
     link([head, b1, b2])
+    await establish(head, "b1", "b2")
     n = test_manifest.sentinel.flags_to_ban + 2
     for i in range(200):
         head.guard.downstream_outcome("b1", i % 3 == 0)  # a third refused, never n in a row
@@ -165,6 +166,50 @@ async def test_scattered_refusals_of_an_honest_replica_never_ban_it(test_manifes
     head.guard.stop()
 
 
+@pytest.mark.asyncio
+async def test_a_newcomer_is_no_replacement_until_it_is_established(test_manifest):
+    """An honest replica collects flags while it is alone (early training moves its statistics
+    faster than the fences). A replica that has just joined is not yet a replacement for it: it
+    is spared until the newcomer has had ``max(warmup, flags_to_ban)`` tensors accepted here and
+    mostly passes; a newcomer whose tensors fail never becomes one. Once one is, the flagged
+    replica is banned as before."""
+    net = Net()
+    verifier = RecordingVerifier()
+    tail = make_runtime(test_manifest, 2, "tail", net, verifier=verifier)
+    old, new = (make_runtime(test_manifest, 1, p, net) for p in ("old", "new"))
+    link([old, new, tail])
+    x, ids = torch.zeros(1, 4, 2), torch.zeros(1, 4, dtype=torch.long)
+
+    async def send(peer, n, flagged):
+        verifier.reject = {peer} if flagged else set()
+        for i in range(n):
+            await tail.guard.verify(peer, "act", x, i, ids, i)
+
+    await establish(tail, "old")
+    need = max(test_manifest.sentinel.warmup, test_manifest.sentinel.flags_to_ban)
+    flags = test_manifest.sentinel.flags_to_ban
+    await send("new", need - 1, flagged=False)  # one short of established
+    for _ in range(2):
+        await send("old", flags, flagged=True)
+        await send("old", 2 * flags, flagged=False)
+    assert not tail.router.is_banned("old") and not tail.guard.is_banned_sender("old")
+    # a newcomer whose tensors mostly fail never becomes a replacement (and is banned itself)
+    await send("new", 1, flagged=False)
+    await send("new", flags, flagged=True)
+    assert tail.router.is_banned("new") and not tail.guard.established("new")
+    await send("old", flags, flagged=True)
+    assert not tail.router.is_banned("old")
+    # a third replica that has proved itself: now the flagged one is routed around
+    third = make_runtime(test_manifest, 1, "third", net)
+    link([old, new, third, tail])
+    await send("old", 2 * flags, flagged=False)
+    await send("third", need, flagged=False)
+    assert tail.guard.established("third")
+    await send("old", flags, flagged=True)
+    assert tail.router.is_banned("old")
+    tail.guard.stop()
+
+
 def test_marginal_refusals_in_a_row_do_not_ban_but_clear_ones_do(test_manifest):
     """The next stage's refusal carries its verifier's score as a typed field; a burst of
     barely-over-the-fence refusals (an honest replica whose statistics drift) weighs 0.25 each
@@ -177,6 +222,7 @@ def test_marginal_refusals_in_a_row_do_not_ban_but_clear_ones_do(test_manifest):
     head = make_runtime(test_manifest, 0, "head", net, batches=head_batches(test_manifest))
     b1, b2, b3 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2", "b3"))
     link([head, b1, b2, b3])
+    asyncio.run(establish(head, "b1", "b2", "b3"))
     n = test_manifest.sentinel.flags_to_ban + 2
     marginal = verdict_score(Verdict(False, "sentinel:swd", score=1.1))
     clear = verdict_score(Verdict(False, "sentinel:swd", score=1.7))
@@ -209,6 +255,7 @@ def test_marginal_refusals_of_one_version_count_once(test_manifest):
     head = make_runtime(test_manifest, 0, "head", net, batches=head_batches(test_manifest))
     b1, b2, b3 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2", "b3"))
     link([head, b1, b2, b3])
+    asyncio.run(establish(head, "b1", "b2", "b3"))
     burst = (1.64, 1.57, 1.42, 1.47, 1.42, 1.46)
     for score in burst:
         head.guard.downstream_outcome("b1", True, score, version=71)

@@ -48,6 +48,8 @@ class Guard:
         # next hop -> (refused?, what the refusal weighed) of its recent outputs, and its versions
         self.downstream: dict[str, collections.deque] = {}
         self.downstream_versions: dict[str, OneVersion] = {}
+        # sender -> tensors of it our verifier accepted since we last banned it (``last_replica``)
+        self.passed: collections.Counter = collections.Counter()
         self.banned_at: float | None = None  # when a neighbour last answered "banned"
         self.last_accepted = 0.0  # when a neighbour last accepted a fwd or a gradient of ours
         self.resync_task: asyncio.Task | None = None
@@ -75,6 +77,8 @@ class Guard:
         verdict = await loop.run_in_executor(self._verify_pool, call)
         self.metrics.verify_seconds.observe(time.perf_counter() - t0)
         label = "accept" if verdict.accept else "reject"
+        if verdict.accept:
+            self.passed[peer] += 1
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
         now = time.monotonic()
         mostly_ok = self.banlist.flag_rate(peer) < 0.5
@@ -102,6 +106,7 @@ class Guard:
         from its first tensor against the honest majority, as a newcomer."""
         until = self.banlist.banned(now).get(peer, now)
         self.router.ban(peer, until - now, cause)
+        self.passed.pop(peer, None)  # back from the ban, it proves itself again (``last_replica``)
         self.metrics.bans.labels(cause=cause).inc()
         forget = getattr(self.verifier, "forget", None)
         if forget is not None:  # on the verifier's thread, after the verdicts already queued there
@@ -157,11 +162,22 @@ class Guard:
         self._ban(peer, now, "verifier-downstream", f"the next stage refused its last {recent.maxlen} outputs ({detail})")
 
     def last_replica(self, peer: str) -> bool:
-        """True if ``peer`` is the only online, unbanned replica of its stage that we know of."""
+        """True if no other replica of ``peer``'s stage could take its work: none online, unbanned
+        and **established** with us (``established``). A ban exists to route around a peer; a
+        replica that has just joined, or whose tensors mostly fail here, is no replacement. Without
+        this, an honest replica that collected marginal flags while it was alone (the statistics
+        move fast early in training) was banned the moment a newcomer appeared, which left the
+        newcomer alone in the stage: a way for a poisoner to take a stage over by joining it."""
         st = self.router.peers.get(peer)
         if st is None:
             return False
-        return not [p for p in self.router.stage_peers(st.stage) if p.peer_id != peer]
+        return not [p for p in self.router.stage_peers(st.stage) if p.peer_id != peer and self.established(p.peer_id)]
+
+    def established(self, peer: str) -> bool:
+        """``peer`` has sent us at least ``max(sentinel.warmup, flags_to_ban)`` tensors that our
+        verifier accepted (since its last ban here), and most of its recent ones pass."""
+        need = max(self.sentinel.warmup, self.sentinel.flags_to_ban)
+        return self.passed[peer] >= need and self.banlist.flag_rate(peer) < 0.5
 
     def is_banned_sender(self, peer: str) -> bool:
         return self.banlist.is_banned(peer, time.monotonic())

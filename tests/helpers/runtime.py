@@ -43,6 +43,16 @@ class RecordingVerifier:
         return Verdict(bool(torch.isfinite(tensor).all()), "ok")
 
 
+async def establish(rt, *peers) -> None:
+    """Make ``peers`` established replicas at ``rt`` (``Guard.established``): each sends it
+    enough tensors that its verifier accepts (``rt``'s verifier must accept them)."""
+    need = max(rt.guard.sentinel.warmup, rt.guard.sentinel.flags_to_ban)
+    for peer in peers:
+        for i in range(need):
+            await rt.guard.verify(peer, "grad", torch.zeros(1, 4, 2), i, torch.zeros(1, 4, dtype=torch.long), i)
+    assert all(rt.guard.established(p) for p in peers)
+
+
 @dataclass
 class Rec:
     peer_id: str
