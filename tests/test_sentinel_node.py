@@ -113,6 +113,43 @@ async def test_upstream_stops_routing_to_a_replica_whose_output_is_refused(test_
 
 
 @pytest.mark.asyncio
+async def test_a_replica_banned_by_the_downstream_rule_alone_is_told_and_resyncs(test_manifest):
+    """The tail refuses b2's output but does not ban b2 (its ban list never fills); the head bans
+    b2 by the downstream rule. b2's refused microbatches bring it no gradient and it gets no more
+    work, so the head's answer to the skip that banned it is the only thing that can tell it:
+    that answer is ``banned``, and b2 starts re-syncing its weights from b1."""
+    from security import BanList
+
+    m = test_manifest.replace(schedule={"warmup_steps": 2})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
+    b1 = make_runtime(m, 1, "b1", net, seed=1)
+    b2 = make_runtime(m, 1, "b2", net, seed=1, resync_every=0.2)
+    tail = make_runtime(m, 2, "tail", net, verifier=RecordingVerifier(reject={"b2"}))
+    tail.guard.banlist = BanList(flags_to_ban=1000, memory=1000)  # refuses each tensor, never bans
+    resyncs = []
+
+    async def resync():
+        resyncs.append(b2.version)
+        return True
+
+    b2.guard.resync = resync
+    rts = [head, b1, b2, tail]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: head.router.is_banned("b2"), timeout=60)
+        assert await wait_for(lambda: b2.guard.banned_at is not None and resyncs, timeout=30)
+    finally:
+        drive.cancel()
+        await stop_all(rts)
+    assert value(head, "swarm_node_bans_total", cause="verifier-downstream") == 1
+    assert not tail.router.is_banned("b2") and value(tail, "swarm_node_bans_total") == 0
+    assert value(head, "swarm_node_served_total", protocol="bwd", result="banned") >= 1
+
+
+@pytest.mark.asyncio
 async def test_a_relayed_refusal_blames_only_the_hop_whose_output_was_refused(test_manifest):
     """Four stages; stage 3 refuses what s2a sends. Stage 1 (its direct upstream) bans s2a; it only
     relays the skips to the head, which must not blame stage 1 for them."""

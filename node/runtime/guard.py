@@ -79,6 +79,8 @@ class Guard:
         label = "accept" if verdict.accept else "reject"
         if verdict.accept:
             self.passed[peer] += 1
+            if len(self.passed) > 4096:  # peers come and go: keep the ones we still know
+                self.passed = collections.Counter({p: n for p, n in self.passed.items() if p in self.router.peers})
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
         now = time.monotonic()
         mostly_ok = self.banlist.flag_rate(peer) < 0.5

@@ -224,6 +224,11 @@ class Pipeline:
             # passed on upstream as relayed: only the hop whose tensors were refused is blamed
             self.drop(bwd.mb, Skip(f"skip-{bwd.skip}", bwd.skip, bwd.detail, score=bwd.score,
                                    refused="relayed" if verifier_refusal else None))
+            if self.guard.is_banned_sender(peer):
+                # banned here (by this refusal, or before): say so, or a replica whose outputs the
+                # next stage refuses without banning it would never learn it and never re-sync
+                self.metrics.served.labels(protocol="bwd", result="banned").inc()
+                return make_reject(Reason.BANNED, "this peer is banned here", mb=bwd.mb)
             return make_ack(bwd.mb, self.index, self.trainer.version)
         if self.guard.is_banned_sender(peer):
             self.metrics.served.labels(protocol="bwd", result="banned").inc()
