@@ -68,6 +68,7 @@ from security import (  # noqa: E402
 )
 from stages import (  # noqa: E402  # noqa: E402  # noqa: E402
     Batches,
+    PartitionSchedule,
     build_optimizer,
     build_stage,
     lm_loss,
@@ -125,8 +126,14 @@ def parse_args(argv=None):
                     help="--part harm: comma list of SENTINEL distances not judged (default: the verifier's own default, pos; "
                     "ablation e.g. pos,ctx,cum; 'none' judges them all)")
     ap.add_argument("--harm-lag", type=int, default=0,
-                    help="--part harm: the honest twin replica's weights are this many steps old "
+                    help="--part harm: the lagged twin's weights are this many of its own steps old "
                     "(0: the manifest's asyncmesh.avg_every, the steps between two averaging rounds)")
+    ap.add_argument("--harm-natural", choices=("pair", "lag"), default="pair",
+                    help="--part harm: what the threshold is the median harm of. pair: two honest body replicas, "
+                    "each training on its own microbatches and averaging a slice every asyncmesh.avg_every local "
+                    "steps as the node does, judged against each other on the same microbatch (the replicas send "
+                    "the honest traffic); lag: one body, against a twin whose weights are --harm-lag steps old. "
+                    "Both are measured and printed either way")
     ap.add_argument("--part", choices=("all", "both", "detection", "damage", "real", "clean", "harm"), default="all",
                     help="all: detection, damage and the real run; both: detection and damage")
     ap.add_argument("--real-manifest", default="default",
@@ -530,20 +537,56 @@ def harm_cases(selected: str) -> dict[str, tuple[str, str, dict]]:
     return cases
 
 
+class ReplicaPair:
+    """Two honest replicas of the body for the harm part: the same start (a joiner copies its
+    replica's state), each trained on the microbatches routed to it with its own optimizer, a
+    slice of ``asyncmesh.avg_fraction`` of their parameters averaged each time one of them has
+    taken ``asyncmesh.avg_every`` local steps (``stages.PartitionSchedule``, the node's slices;
+    in-process the round completes at once, and the optimizer moments are not averaged)."""
+
+    def __init__(self, m, body, opt):
+        import copy
+
+        twin = copy.deepcopy(body)
+        self.m, self.bodies, self.opts = m, [body, twin], [opt, build_optimizer(m, twin)]
+        self.params = [list(b.parameters()) for b in self.bodies]
+        self.schedule = PartitionSchedule([p.shape for p in self.params[0]], m.asyncmesh.avg_fraction, m.run.seed)
+        self.local, self.rounds = [0, 0], 0
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.opts[1], lr)  # opts[0] is the swarm's body optimizer, set with the others
+
+    @torch.no_grad()
+    def stepped(self, j: int) -> None:
+        self.local[j] += 1
+        if self.local[j] % self.m.asyncmesh.avg_every:
+            return
+        for pa, pb, ix in zip(*self.params, self.schedule.indices(self.rounds)):
+            mean = (pa.view(-1)[ix] + pb.view(-1)[ix]) / 2
+            pa.view(-1)[ix] = mean
+            pb.view(-1)[ix] = mean
+        self.rounds += 1
+
+
 def harm(args) -> dict:
     """Detection against harm. One clean training run (as part 1); the harm of a tensor a
     malicious replica sends is what it does to its receiver compared with the honest tensor of
     the same microbatch: for activations, the relative change of the tail's (centred) logits; for
     gradients, the relative change of the head's parameter gradient. The honest replicas'
-    natural harm is the same measure for an honest twin replica whose weights are ``lag`` steps
-    old (two replicas between averaging rounds); its median per direction is the threshold."""
+    natural harm is the same measure between two honest replicas (``--harm-natural pair``, the
+    default: ``ReplicaPair``, the body replicas alternate by sender, each sender's tensors
+    computed by its replica) or against a twin whose weights are ``lag`` steps old (``lag``: one
+    body); its median per direction is the threshold. Both are printed."""
     m = load_manifest(args.manifest)
     sw = Swarm(m, args.batch_size, args.replicas, args.malicious, args.harm_start, args.seed)
     m = sw.m
     lag = args.harm_lag or m.asyncmesh.avg_every
     head, body, tail = sw.stages
+    pair = ReplicaPair(m, body, sw.opts[1]) if args.harm_natural == "pair" else None
+    bodies = pair.bodies if pair else [body]
+    side = {r: i % len(bodies) for i, r in enumerate(sw.replicas)}  # which body computes a sender's tensors
     twin = build_stage(m, 1)
-    snaps: collections.deque = collections.deque(maxlen=lag + 1)
+    snaps = [collections.deque(maxlen=lag + 1) for _ in bodies]
     head_params = [p for p in head.parameters() if p.requires_grad]
     settings = dict(kappa=args.kappa, warmup=args.warmup, off=[o for o in args.harm_off.split(",") if o and o != "none"])
     cases = harm_cases(args.harm_families)
@@ -564,15 +607,18 @@ def harm(args) -> dict:
         run["attack"] = atk
         runs[case] = run
 
-    natural = {"act": [], "grad": []}
+    natural = {"pair": {"act": [], "grad": []}, "lag": {"act": [], "grad": []}}
     t0 = time.perf_counter()
     for step in range(args.harm_steps):
         sw.set_lr(step)
+        if pair:
+            pair.set_lr(lr_at(m.schedule, m.optim.lr, step))
         ids = sw.batches.batch(step)
         replica = sw.route(step)
+        j = side[replica]
         c0 = head(None, ids)
         x1 = c0.detach().requires_grad_()
-        c1 = body(x1, ids)
+        c1 = bodies[j](x1, ids)
         x2 = c1.detach().requires_grad_()
         logits = tail(x2, ids)
         loss = lm_loss(logits, ids)
@@ -595,16 +641,19 @@ def harm(args) -> dict:
                 return torch.cat([t.reshape(-1) for t in gs])
 
             h_honest = head_grad(grad)
-            # the honest twin: the same rows through the body's weights `lag` steps ago
-            twin.load_state_dict(snaps[0])
-            xt = c0.detach()[:R].requires_grad_()
-            ct = twin(xt, ids_r)
-            at = ct.detach().requires_grad_()
-            lt = lm_loss(tail(at, ids_r), ids_r)
-            (g2t,) = torch.autograd.grad(lt, at)
-            (g1t,) = torch.autograd.grad(ct, xt, g2t * (R / ids.shape[0]))  # the loss is a mean over B rows
-            natural["act"].append(_rel(_centred_logits(tail, at.detach(), ids_r), y_honest))
-            natural["grad"].append(_rel(head_grad(g1t), h_honest))
+            # honest others on the same rows: the other replica now, and this one `lag` steps ago
+            twin.load_state_dict(snaps[j][0])
+            for kind, other in (("pair", bodies[1 - j] if pair else None), ("lag", twin)):
+                if other is None:
+                    continue
+                xt = c0.detach()[:R].requires_grad_()
+                ct = other(xt, ids_r)
+                at = ct.detach().requires_grad_()
+                lt = lm_loss(tail(at, ids_r), ids_r)
+                (g2t,) = torch.autograd.grad(lt, at)
+                (g1t,) = torch.autograd.grad(ct, xt, g2t * (R / ids.shape[0]))  # the loss is a mean over B rows
+                natural[kind]["act"].append(_rel(_centred_logits(tail, at.detach(), ids_r), y_honest))
+                natural[kind]["grad"].append(_rel(head_grad(g1t), h_honest))
         for case, run in runs.items():
             run["ids"] = ids
             for direction, x, node in (("act", act, "tail"), ("grad", grad, "head")):
@@ -622,13 +671,20 @@ def harm(args) -> dict:
                          else _rel(head_grad(sent), h_honest))
                 run["tally"].add(replica, direction, bad and attacked, v, step, h)
         c0.backward(g1)
-        sw.clip_and_step(range(3))
-        snaps.append({k: v.detach().clone() for k, v in body.state_dict().items()})
+        for stage, opt in ((head, sw.opts[0]), (bodies[j], pair.opts[j] if pair else sw.opts[1]), (tail, sw.opts[2])):
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), m.optim.grad_clip)
+            opt.step()
+        for opt in [*sw.opts, *(pair.opts if pair else ())]:
+            opt.zero_grad(set_to_none=True)
+        snaps[j].append({k: v.detach().clone() for k, v in bodies[j].state_dict().items()})
+        if pair:
+            pair.stepped(j)
         if step % 10 == 0:
             print(f"bench_sentinel harm: step {step} loss {loss.item():.3f} "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
-    thr = {d: statistics.median(natural[d]) for d in natural}
+    basis = natural[args.harm_natural]
+    thr = {d: statistics.median(basis[d]) for d in basis}
     settings_out, families = {}, {}
     fp = judged = 0
     for case, run in runs.items():
@@ -652,15 +708,19 @@ def harm(args) -> dict:
     q = lambda v, p: round(sorted(v)[min(len(v) - 1, int(p * len(v)))], 5) if v else None  # noqa: E731
     return {
         "threshold": {d: round(v, 5) for d, v in thr.items()},
-        "natural_harm": {d: {"median": q(natural[d], 0.5), "p90": q(natural[d], 0.9), "max": q(natural[d], 1.0)}
-                         for d in natural},
+        "threshold_basis": args.harm_natural,
+        "natural_harm": {kind: {d: {"median": q(v[d], 0.5), "p10": q(v[d], 0.1), "p90": q(v[d], 0.9),
+                                    "max": q(v[d], 1.0)} for d in v}
+                         for kind, v in natural.items() if v["act"]},
         "families": families,
         "settings": settings_out,
         "fpr": round(fp / judged, 5) if judged else None,
         "seconds": round(time.perf_counter() - t0, 1),
         "settings_used": {"manifest": args.manifest, "batch_size": args.batch_size, "steps": args.harm_steps,
                           "attack_start": args.harm_start, "replicas": sw.replicas, "harm_rows": args.harm_rows,
-                          "malicious": sorted(sw.malicious), "lag": lag,
+                          "malicious": sorted(sw.malicious), "lag": lag, "natural": args.harm_natural,
+                          "body_replicas": len(bodies), "averaging_rounds": pair.rounds if pair else 0,
+                          "avg_every": m.asyncmesh.avg_every, "avg_fraction": m.asyncmesh.avg_fraction,
                           "harm": "act: |Δ centred tail logits| / |tail logits|; grad: |Δ head param grad| / |head param grad|",
                           "sentinel": _sentinel_settings(runs[next(iter(runs))]["tail"]),
                           "flags_to_ban": m.sentinel.flags_to_ban, "off": settings["off"]},

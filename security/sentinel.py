@@ -80,6 +80,7 @@ DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", 
 # the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
 AVERAGED = ("tok", "ctx")  # distances also judged averaged over a sender's own tensors: tokc, ctxc
 SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx")
+TABLE = ("tok", "shift", "pos", "ctx")  # distances to the shared token tables, not to the sender's own reference
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class SentinelParams:
     clip: float = 3.0  # normalised values are clipped to ±clip robust units
     beta_tok: float = 0.9  # EMA decay of a token-table row (per batch the token occurs in)
     beta_cum: float = 0.7  # tokc: EMA decay of a sender's own tok distance, per tensor of its own
+    averaged_mad: float = 2.0  # tokc, ctxc: only the excess beyond this many MADs of the other voters' averages
     token_buckets: int = 4096  # table rows; token id -> id % token_buckets
     max_tokens: int = 8192  # tokens sorted for quantiles (a fresh random subset beyond this)
     replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks
@@ -114,6 +116,9 @@ class SentinelParams:
     sender_min: int = 5  # ... counted once it holds this many
     max_senders: int = 1024  # per-sender records kept (least recently seen dropped)
     min_window: int = 8  # a distance counts once its window holds this many values
+    # with one or two voters: a voter's token-table distances are fenced by its own accepted ones,
+    # up to this many times the direction's fence (``Sentinel._own_table_fences``)
+    own_fence_cap: float = 1.5
 
     def __post_init__(self):
         if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1
@@ -133,6 +138,10 @@ class SentinelParams:
                 raise ValueError(f"sentinel: {name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.reject_weight <= 1:
             raise ValueError(f"sentinel: reject_weight must be in [0, 1], got {self.reject_weight}")
+        if self.averaged_mad < 0:
+            raise ValueError(f"sentinel: averaged_mad must be >= 0, got {self.averaged_mad}")
+        if self.own_fence_cap < 1:
+            raise ValueError(f"sentinel: own_fence_cap must be >= 1, got {self.own_fence_cap}")
         if self.replay_window < 0:
             raise ValueError("sentinel: replay_window must be >= 0")
         unknown = set(self.off) - set(DISTANCES)
@@ -237,6 +246,18 @@ def distances(s: Stats, r: Stats) -> dict[str, float]:
 # Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
 # honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
 # Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
+def excess_over(value: float, others: list[float], mads: float) -> float:
+    """How far ``value`` lies above the median of ``others`` beyond ``mads`` times their median
+    absolute deviation, floored at 0 (``tokc``, ``ctxc``). Honest replicas differ in these
+    averages (own data, own progress): with two body replicas behind eight senders the other
+    senders' averages form two groups, and a sender of the upper group lay above the median by
+    about one MAD and was flagged on ``ctxc`` (bench_sentinel's harm part: honest fpr 0.057,
+    0.036 with ``mads`` 2)."""
+    med = statistics.median(others)
+    mad = statistics.median(abs(o - med) for o in others)
+    return max(0.0, value - med - mads * mad)
+
+
 SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02, "pos": 0.15, "ctx": 0.02, "ctxc": 0.02, "cum": 0.1}
 
 
@@ -461,6 +482,33 @@ class Sentinel:
                 out[name] = math.inf
         return out
 
+    def _own_table_fences(self, state: _Direction, sender: str | None, fences: dict[str, float]) -> dict[str, float]:
+        """With one or two voters, an established voter's token-table distances (``TABLE``) are
+        fenced by the larger of the direction's fence and the voter's own (Tukey over its last
+        ``sender_window`` accepted values), the latter at most ``own_fence_cap`` times the former.
+
+        With one or two voters each is judged against its own EMA (``_reference``), except for
+        these: they measure a tensor against tables every sender feeds, which hold more of the
+        busier replica's traffic, and whose fence (the direction's window) is mostly that
+        replica's values. The look-ahead makes a replica's output depend on its own pace: in a
+        clean real swarm the faster replica (look-ahead 2.0 steps, ‖Ŵ − W‖ 0.59 against its
+        partner's 1.4 steps, 0.43) had nine tensors in a row flagged on ``tok`` (scores
+        1.18–1.30) within two seconds and was banned. A newcomer, and any sender once three
+        voters are active (the median of their own fences is the fence then), keeps the
+        direction's fence; the cap bounds what a replica can gain by moving its own level."""
+        p = self.params
+        voters = self._voters(state)
+        rec = state.senders.get(sender) if sender is not None else None
+        if len(voters) >= 3 or rec is None or not any(v is rec for v in voters):
+            return fences
+        out = dict(fences)
+        for name in TABLE:
+            window = rec.windows[name]
+            if len(window) >= p.sender_min and math.isfinite(fences[name]):
+                own = tukey_fence(window, p.kappa, p.iqr_floor, SPREAD_FLOOR.get(name, 0.0))
+                out[name] = max(fences[name], min(own, p.own_fence_cap * fences[name]))
+        return out
+
     # -- queries -----------------------------------------------------------------------------
 
     def forget(self, sender: str) -> None:
@@ -555,7 +603,7 @@ class Sentinel:
         basis, score, worst = "warmup", 0.0, None
         if state.accepted >= p.warmup:
             basis = "reference"
-            fences = self._fences(state)
+            fences = self._own_table_fences(state, sender, self._fences(state))
             cum, ratio_ema = self._cum(state, sender, d, fences)
             if cum is not None:
                 d["cum"] = cum
@@ -645,7 +693,7 @@ class Sentinel:
         med = statistics.median(others) if len(others) >= 2 else None
         prev = rec.averaged.get(name, med) if rec is not None else med
         ema = value if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * value
-        return (0.0 if med is None else max(0.0, ema - med)), ema
+        return (0.0 if med is None else excess_over(ema, others, p.averaged_mad)), ema
 
     def _shifted(self, state: _Direction, sender: str | None = None) -> bool:
         """At least 80% of the senders heard from in the last ``shift_horizon`` tensors (and at

@@ -146,3 +146,65 @@ def test_ban_list_counts_the_marginal_flags_of_one_version_once():
     assert [bans.record("r", True, float(i), weight=1.0, version=3) for i in range(3)] == [False, False, True]
     # and so does every flag without a version, as before
     assert [bans.record("s", True, float(i), weight=1.0) for i in range(3)] == [False, False, True]
+
+
+def moving_away(cap: float, c_end: float = 0.6, n: int = 90, third: bool = False, shuffle_last: int = 0):
+    """Replicas a (twice as busy) and b; from tensor 60 on, b's token vectors turn, over ``n``
+    tensors, from 0.1 to ``c_end`` of a fixed per-token offset toward another direction (norms
+    kept): b's outputs move away from the token table, which holds mostly a's. This is the
+    faster replica of a clean real swarm whose look-ahead grew (nine `tok` flags in a row at
+    1.18–1.30, banned). ``third``: a third replica like a. ``shuffle_last``: b's last tensors have
+    their positions permuted (tokens lost). Returns b's rejections after tensor 60, and the last
+    one's verdict."""
+    E = torch.randn(64, K, generator=torch.Generator().manual_seed(1234)) + 0.7
+    Rb = torch.randn(64, K, generator=torch.Generator().manual_seed(99))
+    g = torch.Generator().manual_seed(0)
+    s = Sentinel(SentinelParams(warmup=30, own_fence_cap=cap))
+    order = "abc" if third else "aab"
+    rejected, last = 0, None
+    for i in range(60 + n):
+        r = order[i % 3]
+        ids = torch.randint(0, 64, (8, 64), generator=g)
+        rows = E[ids]
+        if r == "b":
+            c = 0.1 + (c_end - 0.1) * min(1.0, max(0.0, (i - 60) / n))
+            turned = rows + c * Rb[ids]
+            rows = turned * (rows.norm(dim=-1, keepdim=True) / turned.norm(dim=-1, keepdim=True))
+        x = rows + 0.5 * torch.randn(8, 64, K, generator=g)
+        if r == "b" and i >= 60 + n - shuffle_last:
+            x = x.reshape(-1, K)[torch.randperm(8 * 64, generator=g)].reshape(x.shape)
+        j = s.judge(r, "act", x, ids)
+        if r == "b" and i >= 60:
+            rejected += not j.accept
+            last = j
+    return rejected, last
+
+
+def test_a_replica_moving_slowly_away_from_the_shared_token_table_is_judged_by_its_own_level():
+    """With two replicas, a replica's token-table distances are fenced by its own accepted values
+    (at most ``own_fence_cap`` times the direction's fence): the old rule (cap 1) flags the one
+    whose outputs move away from the table, the new one does not; a shuffle is still caught, and
+    a move too fast for its own window is still flagged."""
+    old, _ = moving_away(cap=1.0)
+    assert old >= 3
+    new, _ = moving_away(cap=1.5)
+    assert new == 0
+    _, shuffled = moving_away(cap=1.5, shuffle_last=1)
+    assert not shuffled.accept and shuffled.reason == "sentinel:tok" and shuffled.score > 3
+    fast, _ = moving_away(cap=1.5, c_end=1.0, n=30)
+    assert fast >= 3
+    # three voters: the median of their own fences is the fence, and the rule does not apply
+    with_third = [moving_away(cap, third=True)[0] for cap in (1.0, 1.5)]
+    assert with_third[0] == with_third[1] >= 3
+
+
+def test_an_averaged_distance_counts_only_beyond_the_spread_of_the_other_voters():
+    """tokc / ctxc: two groups of honest replicas (averages 0.40–0.42 and 0.50–0.52): the upper
+    group is not above the others by more than two MADs; a sender far above still is."""
+    from security.sentinel import excess_over
+
+    others = [0.40, 0.41, 0.42, 0.50, 0.51, 0.52]  # median 0.46, MAD 0.05
+    assert excess_over(0.52, others, 0.0) == pytest.approx(0.06)  # the old rule: flagged at a tight fence
+    assert excess_over(0.52, others, 2.0) == 0.0
+    assert excess_over(0.80, others, 2.0) == pytest.approx(0.24)
+    assert excess_over(0.30, others, 2.0) == 0.0
