@@ -243,9 +243,6 @@ def distances(s: Stats, r: Stats) -> dict[str, float]:
 # ----------------------------------------------------------------------------- fences
 
 
-# Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
-# honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
-# Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
 def excess_over(value: float, others: list[float], mads: float) -> float:
     """How far ``value`` lies above the median of ``others`` beyond ``mads`` times their median
     absolute deviation, floored at 0 (``tokc``, ``ctxc``). Honest replicas differ in these
@@ -258,6 +255,9 @@ def excess_over(value: float, others: list[float], mads: float) -> float:
     return max(0.0, value - med - mads * mad)
 
 
+# Smallest spread a fence assumes, per distance. The sign-flip ratio is zero most of the time for
+# honest activations (IQR = 0), which would make one flipped near-zero channel a rejection.
+# Likewise a scale that moves by less than 1% is no attack, however steady honest traffic is.
 SPREAD_FLOOR = {"sign": 0.15, "scale": 0.01, "tokc": 0.02, "pos": 0.15, "ctx": 0.02, "ctxc": 0.02, "cum": 0.1}
 
 
