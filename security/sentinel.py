@@ -35,9 +35,10 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    token vectors of a batch, so a replay under new ids, a shuffle, or noise with the honest
    mean and covariance matches the reference exactly while destroying the content. A third,
    ``tokc`` (``Sentinel._tokc``), averages a sender's ``tok`` over its own last few tensors
-   and compares it with the median of the other senders' averages (at least two of them):
-   persistent half-noise that single tensors hide inside the ``tok`` fence adds up; a drift all
-   senders share cancels. Three more answer an adaptive adversary that knows all of the above:
+   and compares it with the median of the other senders' averages (at least two of them),
+   counting only the excess beyond ``averaged_mad`` median absolute deviations of those
+   averages (honest replicas differ): persistent half-noise that single tensors hide inside the
+   ``tok`` fence adds up; a drift all senders share cancels. Three more answer an adaptive adversary that knows all of the above:
 
        pos   = √N · mean_t clamp(z_t − 1, 0, 3),  z_t = ‖x_t − T[id_t]‖² / (c · median_t)
                (activations: a few positions carrying other tokens' codes)
@@ -51,7 +52,9 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
                the other senders' median (``Sentinel._cum``: a sender riding just inside the
                fences on every tensor)
 4. Verdict. Each distance is divided by its fence, a Tukey fence Q3 + κ·max(IQR, 0.1·median)
-   over recent distances of *accepted* tensors (per sender, median over senders: ``Sentinel``);
+   over recent distances of *accepted* tensors (per sender, median over senders: ``Sentinel``;
+   with one or two voters a voter's token-table distances also by its own level, capped:
+   ``Sentinel._own_table_fences``);
    score = the largest ratio; reject when > 1 and name the distance (``sentinel:tok``...).
    "Any distance out" rather than a vote, because the attacks move different distances
    (scaling only ``scale``, a shuffle only ``tok``): a vote would let every single-distance
@@ -675,7 +678,8 @@ class Sentinel:
         about 4.7 spreads wide, lets through; the average of a few lies many spreads above the
         other senders'). tokc: how far the sender's ``tok`` distance,
         averaged over its own last few tensors (rejected ones included, EMA ``beta_cum``), lies
-        above the median of the voters' averages. A persistent small shift that single tensors
+        above the median of the voters' averages, beyond ``averaged_mad`` MADs of them
+        (``excess_over``). A persistent small shift that single tensors
         hide inside the ``tok`` fence (norm-matched noise on gradients) adds up in the average;
         a drift every honest sender shares moves the median with it, so it is not flagged and
         cannot trip shift mode. A newcomer's average starts from the voters' median.
