@@ -69,6 +69,7 @@ from security import (  # noqa: E402
 from stages import (  # noqa: E402  # noqa: E402  # noqa: E402
     Batches,
     PartitionSchedule,
+    apply_average_delta,
     build_optimizer,
     build_stage,
     lm_loss,
@@ -76,6 +77,7 @@ from stages import (  # noqa: E402  # noqa: E402  # noqa: E402
     load_manifest,  # noqa: E402
     lr_at,
     set_lr,
+    snapshot,
     val_batches,
 )
 
@@ -214,10 +216,11 @@ class Swarm:
         act = self.active(step, banned)
         return act[step % len(act)] if act else None
 
-    def set_lr(self, step: int) -> None:
+    def set_lr(self, step: int) -> float:
         lr = lr_at(self.m.schedule, self.m.optim.lr, step)
         for o in self.opts:
             set_lr(o, lr)
+        return lr
 
     def clip_and_step(self, which) -> None:
         for i in which:
@@ -556,15 +559,14 @@ class ReplicaPair:
     def set_lr(self, lr: float) -> None:
         set_lr(self.opts[1], lr)  # opts[0] is the swarm's body optimizer, set with the others
 
-    @torch.no_grad()
     def stepped(self, j: int) -> None:
         self.local[j] += 1
         if self.local[j] % self.m.asyncmesh.avg_every:
             return
-        for pa, pb, ix in zip(*self.params, self.schedule.indices(self.rounds)):
-            mean = (pa.view(-1)[ix] + pb.view(-1)[ix]) / 2
-            pa.view(-1)[ix] = mean
-            pb.view(-1)[ix] = mean
+        idx = self.schedule.indices(self.rounds)
+        snaps = [snapshot(params, idx) for params in self.params]
+        for params, snap in zip(self.params, snaps):  # the node's apply, a round that took 0 steps
+            apply_average_delta(params, idx, snap, (snaps[0] + snaps[1]) / 2)
         self.rounds += 1
 
 
@@ -610,9 +612,9 @@ def harm(args) -> dict:
     natural = {"pair": {"act": [], "grad": []}, "lag": {"act": [], "grad": []}}
     t0 = time.perf_counter()
     for step in range(args.harm_steps):
-        sw.set_lr(step)
+        lr = sw.set_lr(step)
         if pair:
-            pair.set_lr(lr_at(m.schedule, m.optim.lr, step))
+            pair.set_lr(lr)
         ids = sw.batches.batch(step)
         replica = sw.route(step)
         j = side[replica]

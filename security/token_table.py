@@ -191,10 +191,10 @@ def centred_corr(A: Tensor, B: Tensor) -> float:
 
 def context_keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor, Tensor]:
     """(token vectors (N', k), their token ids (N',), their context keys (N',)); see above."""
-    X, tok, pair = TokenTable.pair_keys(x, ids, direction, buckets)
-    if direction == "act":
-        return X, tok, ids.to(x.device).long()[:, :-1].reshape(-1).remainder(buckets)
-    return X, tok, pair
+    if direction != "act":
+        return TokenTable.pair_keys(x, ids, direction, buckets)
+    ids = ids.to(x.device).long()
+    return x[:, 1:].reshape(-1, x.shape[-1]), ids[:, 1:].reshape(-1), ids[:, :-1].reshape(-1).remainder(buckets)
 
 
 def context_score(table: TokenTable | None, ctx: TokenTable | None, X: Tensor, tok: Tensor, key: Tensor,
