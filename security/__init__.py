@@ -15,7 +15,7 @@ from security.identity import (
     peer_id_from_key, peer_id_of_public_key, verify_manifest_signature, verify_peer_signature,
 )
 from security.verifier import (  # noqa: F401
-    BasicVerifier, SentinelVerifier, make_verifier,
+    BasicVerifier, SentinelVerifier, describe_rejection, make_verifier,
 )
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "SentinelVerifier",
     "ban_weight",
     "check_attack_allowed",
+    "describe_rejection",
     "make_attack",
     "parse_attack",
     "make_verifier",

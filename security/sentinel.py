@@ -290,13 +290,16 @@ def tukey_fence(values, kappa: float, iqr_floor: float, abs_floor: float = 0.0) 
 class Judgement:
     """What ``Sentinel.judge`` decided. ``basis``: warmup | reference | partner | shift | replay |
     retransmit (``partner``: over its own reference's fences but within a partner replica's,
-    ``Sentinel._partners``)."""
+    ``Sentinel._partners``). ``over``: every distance over its fence, name -> distance/fence,
+    largest first (``reason`` names the first): a tensor is often out on several, and the worst
+    alone hides what else caught it."""
 
     accept: bool
     reason: str | None
     score: float
     distances: dict[str, float]
     basis: str
+    over: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -454,6 +457,21 @@ class Sentinel:
         return rec if any(v is rec for v in voters) else None
 
     @staticmethod
+    def _over(d: dict[str, float], fences: dict[str, float]) -> dict[str, float]:
+        """Every distance of ``d`` over its fence: name -> distance/fence (inf for a non-finite
+        distance), largest first."""
+        out = {}
+        for name, value in d.items():
+            fence = fences.get(name, math.inf)
+            if math.isinf(fence):
+                continue
+            ratio = math.inf if not math.isfinite(value) else (
+                value / fence if fence > 0 else (0.0 if value <= 0 else math.inf))
+            if ratio > 1.0:
+                out[name] = ratio
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    @staticmethod
     def _score(d: dict[str, float], fences: dict[str, float]) -> tuple[float, str | None]:
         """The worst distance over its fence, as a ratio (inf for a non-finite distance), and its name."""
         score, worst = 0.0, None
@@ -604,7 +622,7 @@ class Sentinel:
                 if name in d:
                     d[name + "c"], averaged[name] = self._tokc(state, sender, name, d[name])
 
-        basis, score, worst = "warmup", 0.0, None
+        basis, score, worst, over = "warmup", 0.0, None, {}
         if state.accepted >= p.warmup:
             basis = "reference"
             fences = self._own_table_fences(state, sender, self._fences(state))
@@ -620,12 +638,13 @@ class Sentinel:
                     alt_score, alt_worst = self._score(alt, fences)
                     if alt_score <= 1.0 and alt_score < score:
                         score, worst, d, basis = alt_score, alt_worst, alt, "partner"
+            over = self._over(d, fences)
         accept = score <= 1.0
         if not accept and self._shifted(state, sender) and score <= p.shift_reach:
             # most recent tensors leave the fences: the stage's honest distribution has moved
             # (see _learn); a moderate deviation is accepted and followed, not held against anyone
             accept, basis = True, "shift"
-        verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis)
+        verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis, over)
         if commit:
             self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, averaged)
             if ratio_ema is not None:

@@ -47,13 +47,15 @@ class Verdict:
     """``accept``; ``reason`` (one of BASIC_REASONS / SENTINEL_REASONS) when rejected; ``score``:
     the largest distance/fence ratio (> 1 rejects; 0 when not judged); ``distances``: name ->
     value; ``basis``: what it was judged against (basic for the basic checks; else
-    ``sentinel.Judgement.basis``: warmup, reference, partner, shift, replay, retransmit)."""
+    ``sentinel.Judgement.basis``: warmup, reference, partner, shift, replay, retransmit);
+    ``over``: every distance over its fence, name -> distance/fence, largest first."""
 
     accept: bool
     reason: str | None = None
     score: float = 0.0
     distances: dict[str, float] = field(default_factory=dict)
     basis: str = "basic"
+    over: dict[str, float] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -129,7 +131,7 @@ class SentinelVerifier(BasicVerifier):
             if bad is not None:
                 return bad
             j = self.sentinel.judge(sender, direction, tensor, ids=ids, mb=mb)
-            return Verdict(j.accept, j.reason, j.score, j.distances, j.basis)
+            return Verdict(j.accept, j.reason, j.score, j.distances, j.basis, j.over)
 
     def reference_tensor(self, direction: str, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor | None:
         """E[payload | token] from accepted traffic, a stand-in for a rejected gradient (None
@@ -139,6 +141,18 @@ class SentinelVerifier(BasicVerifier):
     def forget(self, sender: str) -> None:
         """Drop a sender's own references (it left the swarm)."""
         self.sentinel.forget(sender)
+
+
+def describe_rejection(verdict) -> str:
+    """One line for the log: the reason, the score, and every distance over its fence, e.g.
+    ``sentinel:scale (score 1.50; over: scale 1.50, tok 1.31)``; a rule's rejection is its
+    reason alone (``non-finite``)."""
+    score = float(getattr(verdict, "score", 0.0) or 0.0)
+    if not score > 1.0:
+        return str(verdict.reason)
+    over = getattr(verdict, "over", None) or {}
+    tail = "; over: " + ", ".join(f"{name} {ratio:.2f}" for name, ratio in over.items()) if over else ""
+    return f"{verdict.reason} (score {score:.2f}{tail})"
 
 
 def make_verifier(cfg, *, k: int, seq_len: int | None = None, max_batch: int | None = None,

@@ -56,9 +56,10 @@ def test_an_adaptive_attacker_that_keeps_every_batch_statistic_is_banned(tmp_pat
     logs = f"(logs in {tmp_path / 'swarm'})"
     assert r["banned"], (r, logs)
     assert r["malicious_banned_by"], (r, logs)
-    token_checks = sum(n for reasons in r["reject_reasons"].values() for reason, n in reasons.items()
-                       if reason in ("sentinel:tok", "sentinel:pos", "sentinel:tokc", "sentinel:shift"))
-    assert token_checks >= 3, (r["reject_reasons"], logs)
+    # what caught it: its rejections with a token-table distance over the fence (a swapped tensor
+    # is often out on another distance too, e.g. its own pace's scale, and the metrics count
+    # each rejection under its worst distance only)
+    assert r["malicious_token_flags"] >= 3, (r["malicious_flags_over"], r["reject_reasons"], logs)
     assert r["malicious_served_after_ban"] == 0, r
     assert r["honest_banned"] == 0, (r, logs)
     assert r["loss_finite"], r

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from security import BanList, BasicVerifier, SentinelVerifier, ban_weight, make_verifier
+from security import BanList, BasicVerifier, SentinelVerifier, ban_weight, describe_rejection, make_verifier
 from security.bans import flag_weight
 from security.verifier import Verdict, Verifier
 from stages import load_manifest
@@ -59,6 +59,41 @@ def test_sentinel_verifier_from_manifest_and_disabled():
     bad = v.verify("p", "act", x * 50, ids=ids, mb=99)
     assert not bad.accept and bad.reason.startswith("sentinel:") and bad.score > 1
     assert off.verify("p", "act", x * 50, ids=ids).accept
+
+
+def test_a_rejection_lists_every_distance_over_its_fence():
+    """``over`` holds each distance past its fence (distance / fence, largest first, the first one
+    the reason); the log line shows them all. A tensor scaled x50 is out on scale and on the
+    moments; the same tensor with positions exchanged too is out on the token checks as well."""
+    m = load_manifest("test")
+    v = make_verifier(m.sentinel, k=K, seq_len=16, max_batch=8, seed=0)
+    table = torch.randn(256, K, generator=torch.Generator().manual_seed(5))
+
+    def honest(seed):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        return table[ids] + 0.3 * torch.randn(2, 16, K, generator=g), ids
+
+    for i in range(40):
+        x, ids = honest(i)
+        assert v.verify("p", "act", x, ids=ids, mb=i).accept
+    x, ids = honest(100)
+    scaled = v.verify("p", "act", x * 50, ids=ids, mb=100)
+    assert not scaled.accept
+    assert list(scaled.over)[0] == scaled.reason.split(":")[1] and "scale" in scaled.over
+    assert all(r > 1 for r in scaled.over.values()) and list(scaled.over.values()) == sorted(scaled.over.values(),
+                                                                                            reverse=True)
+    assert max(scaled.over.values()) == pytest.approx(scaled.score)
+    assert "tok" not in scaled.over  # the table's correlation is blind to scale
+    x, ids = honest(101)
+    both = v.verify("p", "act", x.flip(1) * 50, ids=ids, mb=101)
+    assert {"scale", "tok"} <= set(both.over)
+    line = describe_rejection(both)
+    assert line.startswith(f"{both.reason} (score {both.score:.2f}; over: ")
+    assert f"tok {both.over['tok']:.2f}" in line and f"scale {both.over['scale']:.2f}" in line
+    # a rule's rejection has no fences to list
+    assert describe_rejection(Verdict(False, "non-finite")) == "non-finite"
+    assert v.verify("p", "act", x, ids=ids, mb=102).over == {}  # accepted: nothing over
 
 
 def test_bf16_payloads_are_judged():

@@ -29,7 +29,7 @@ import torch
 from node.runtime.options import RuntimeOptions
 from node.runtime.worker import Tasks, pin_torch_threads
 from protocol import Reason
-from security import BanList, OneVersion, ban_weight, refusal_weight_of
+from security import BanList, OneVersion, ban_weight, describe_rejection, refusal_weight_of
 from stages import SentinelConfig
 
 log = logging.getLogger("swarm_node.runtime")
@@ -82,6 +82,8 @@ class Guard:
             if len(self.passed) > 4096:  # peers come and go: keep the ones we still know
                 self.passed = collections.Counter({p: n for p, n in self.passed.items() if p in self.router.peers})
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
+        if not verdict.accept:
+            log.warning("verifier rejected %s from %s: %s", direction, peer[-8:], describe_rejection(verdict))
         now = time.monotonic()
         mostly_ok = self.banlist.flag_rate(peer) < 0.5
         weight = ban_weight(verdict, self.sentinel.ban_margin)
@@ -96,9 +98,6 @@ class Guard:
                         "its flagged tensors are dropped", peer[-8:], verdict.reason)
         elif self.banlist.is_banned(peer, now) and peer not in self.router.banned():
             self._ban(peer, now, "verifier", f"its {direction} tensors keep failing verification ({verdict.reason})")
-        elif not verdict.accept:
-            log.warning("verifier rejected %s from %s: %s (score %.2f)", direction, peer[-8:], verdict.reason,
-                        float(getattr(verdict, "score", 0.0) or 0.0))
         return verdict
 
     def _ban(self, peer: str, now: float, cause: str, why: str) -> None:

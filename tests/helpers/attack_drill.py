@@ -31,6 +31,8 @@ from node.ops import LocalSwarm, metric_sum, write_manifest
 from node.ops.local_swarm import NodeProc, p2pd_pids_of
 
 BAN_CAUSES = ("verifier", "verifier-downstream")
+# the distances that compare a tensor with the token table (what a swap of positions cannot hide from)
+TOKEN_CHECKS = ("tok", "pos", "tokc", "shift")
 _LOSS = re.compile(r"step (\d+) loss ([0-9.]+|nan|inf)")
 
 
@@ -49,6 +51,17 @@ def peer_id_of(node: NodeProc) -> str | None:
 def banned_in_logs(node: NodeProc, peer: str) -> int:
     """How many times ``node`` logged a ban of ``peer`` (routing bans of every cause)."""
     return len(re.findall(rf"\bbanned {re.escape(peer)} for ", node.logs()))
+
+
+def rejections_over(nodes: list[NodeProc], peer: str) -> list[set[str]]:
+    """For each of ``peer``'s tensors that the ``nodes`` rejected on a fence: the distances over
+    their fences (the logs' ``over:`` lists). The metrics count a rejection under its worst
+    distance only, which hides what else caught it."""
+    out = []
+    pattern = re.compile(rf"verifier rejected \w+ from {re.escape(peer[-8:])}: \S+ \(score [^;)]*; over: ([^)]*)\)")
+    for node in nodes:
+        out += [{item.split(" ", 1)[0] for item in listed.split(", ")} for listed in pattern.findall(node.logs())]
+    return out
 
 
 def _reasons(metrics: dict[str, float]) -> dict[str, int]:
@@ -163,6 +176,9 @@ def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: in
     bad_id = ids.get("mid-malicious")
     neighbours = [n for n in sw.nodes if n.name in ("head", "tail")]
     out["malicious_banned_by"] = sorted(n.name for n in neighbours if bad_id and banned_in_logs(n, bad_id))
+    over = rejections_over(neighbours, bad_id) if bad_id else []
+    out["malicious_flags_over"] = {name: sum(name in o for o in over) for name in sorted(set().union(*over))}
+    out["malicious_token_flags"] = sum(bool(o & set(TOKEN_CHECKS)) for o in over)
     honest_ids = [pid for name, pid in ids.items() if name != "mid-malicious" and pid]
     out["honest_banned"] = sum(banned_in_logs(n, pid) for n in sw.nodes for pid in honest_ids)
     losses = [(int(a), float(b)) for a, b in _LOSS.findall(next(n for n in sw.nodes if n.name == "tail").logs())]
