@@ -159,13 +159,31 @@ class SentinelParams:
 # ----------------------------------------------------------------------------- statistics
 
 
-def normalize(X: Tensor, grad: bool, clip: float) -> tuple[Tensor, Tensor]:
-    """Token vectors X (N, k) in robust units (clipped to ±clip), and log of the unit (see 1.)."""
+def normalize(X: Tensor, grad: bool, clip: float, norms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Token vectors X (N, k) in robust units (clipped to ±clip), and log of the unit (see 1.);
+    ``norms``: X's row norms if already computed."""
     n_tok, k = X.shape
-    sigma = X.norm(dim=1).median() / math.sqrt(k)
+    sigma = (X.norm(dim=1) if norms is None else norms).median() / math.sqrt(k)
     log_scale = torch.log(sigma.clamp_min(1e-35) * (n_tok if grad else 1.0))
     Xn = (X / sigma.clamp_min(1e-30)).clamp(-clip, clip)
     return Xn, log_scale
+
+
+def position_lognorms(norms: Tensor, k: int, grad: bool) -> Tensor:
+    """Each position's log(‖x_t‖ / √k) from its norm (gradients: plus log N, N = norms.numel(), as
+    the scale in ``normalize``), so that their median is the payload's log scale.
+
+    The token table keeps their mean per token (``TokenTable.lognorm``). Once it has rows for
+    the batch, the scale a tensor is judged on is the *residual* scale, the median over positions
+    of (log norm − its token's row), plus an offset (EMA over accepted tensors of log scale minus
+    residual scale) that keeps it on the log scale's level. Honest batches dominated by tokens
+    with small codes (runs of whitespace in source code) have a median token norm up to 25% below
+    the usual; measured on the test model after 400 steps, 1000 batches of stage 1's output: log
+    scale std 0.038 with a tail down to −0.24, residual scale std 0.013 within ±0.04."""
+    out = (norms / math.sqrt(k)).clamp_min(1e-35).log()
+    if grad:
+        out = out + math.log(norms.numel())
+    return out.clamp(-80.0, 80.0)
 
 
 @dataclass
@@ -328,6 +346,8 @@ class _Direction:
     def __init__(self, params: SentinelParams):
         self.table: TokenTable | None = None
         self.ctx: TokenTable | None = None  # rows keyed by (previous, current) token pair
+        # EMA over accepted tensors of their log scale minus their residual scale (``position_lognorms``)
+        self.scale_offset: float | None = None
         self.windows = {name: deque(maxlen=params.window) for name in DISTANCES}  # all senders
         self.hashes: OrderedDict[bytes, object] = OrderedDict()
         self.senders: OrderedDict[str, SenderRecord] = OrderedDict()
@@ -601,15 +621,25 @@ class Sentinel:
                     state.hashes.popitem(last=False)
 
         k = x.shape[-1]
-        Xn, log_scale = normalize(x.detach().float().reshape(-1, k), direction == "grad", p.clip)
+        X = x.detach().float().reshape(-1, k)
+        norms = X.norm(dim=1)
+        Xn, log_scale = normalize(X, direction == "grad", p.clip, norms)
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
+        tX = tkeys = tnorms = residual = ratio_ema = None
+        raw_scale = float(s.scale)
+        if ids is not None:
+            tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
+            lognorms = position_lognorms(norms, k, direction == "grad").view(*x.shape[:-1], 1)
+            tnorms = TokenTable.keys(lognorms, ids, direction, p.token_buckets)[0]
+            if state.table is not None and state.table.k == k:
+                residual = state.table.lognorm_residual(tkeys, tnorms)
+                if residual is not None and state.scale_offset is not None:
+                    s.scale = torch.tensor(residual + state.scale_offset)  # ``position_lognorms``
         ref = self._reference(state, sender)
         d = distances(s, ref) if ref is not None else {}
-        tX = tkeys = ratio_ema = None
         averaged: dict[str, float] = {}
         cX = ctok = cpair = None
         if ids is not None:
-            tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
             cX, ctok, cpair = context_keys(Xn.view(x.shape), ids, direction, p.ctx_buckets)
             ctok = ctok.remainder(p.token_buckets)
             if state.table is not None and state.table.k == k:
@@ -646,7 +676,8 @@ class Sentinel:
             accept, basis = True, "shift"
         verdict = Judgement(accept, None if accept else f"sentinel:{worst}", score, d, basis, over)
         if commit:
-            self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, averaged)
+            self._learn(state, sender, direction, s, d, tX, tkeys, accept, score, basis, averaged, tnorms,
+                        None if residual is None else raw_scale - residual)
             if ratio_ema is not None:
                 state.senders[sender].ratio_ema = ratio_ema
             if cX is not None and accept:
@@ -761,7 +792,8 @@ class Sentinel:
             state.senders.move_to_end(sender)
         return rec
 
-    def _learn(self, state, sender, direction, s, d, tX, tkeys, accept, score, basis, averaged) -> None:
+    def _learn(self, state, sender, direction, s, d, tX, tkeys, accept, score, basis, averaged,
+               tnorms=None, offset=None) -> None:
         """Fold a judged tensor in.
 
         A rejected tensor moves its sender's EMA (one vote in the reference) at ``reject_weight``
@@ -803,7 +835,10 @@ class Sentinel:
         if tX is not None and table_weight > 0:
             if state.table is None or state.table.k != tX.shape[-1]:
                 state.table = TokenTable(p.token_buckets, tX.shape[-1], p.beta_tok)
-            state.table.update(tX, tkeys, table_weight)
+            state.table.update(tX, tkeys, table_weight, norms=tnorms)
+            if offset is not None:  # log scale minus the residual scale (``position_lognorms``)
+                a = (1 - p.beta_tok) * table_weight
+                state.scale_offset = offset if state.scale_offset is None else (1 - a) * state.scale_offset + a * offset
         rec.out = basis in ("reference", "shift") and score > 1.0
         if accept and basis != "shift":
             state.accepted += 1

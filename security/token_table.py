@@ -15,7 +15,8 @@ from torch import Tensor
 
 
 class TokenTable:
-    """EMA of the payload's mean vector per token id (hashed into ``buckets`` rows).
+    """EMA of the payload's mean vector per token id (hashed into ``buckets`` rows), and of its
+    positions' mean log norm (``lognorm``, when ``update`` is given the norms).
 
     Activations are keyed by the token at the same position; gradients by the next token (the
     label of the loss at that position), the last position of each row having none.
@@ -24,6 +25,8 @@ class TokenTable:
     def __init__(self, buckets: int, k: int, beta: float):
         self.buckets, self.k, self.beta = buckets, k, beta
         self.table = torch.zeros(buckets, k)
+        self.lognorm = torch.zeros(buckets)
+        self.hits = torch.zeros(buckets, dtype=torch.long)  # batches that updated a row
         self.seen = torch.zeros(buckets, dtype=torch.bool)
         self.last = torch.zeros(buckets, dtype=torch.long)  # ``count`` at a row's latest update
         self.count = 0
@@ -50,6 +53,7 @@ class TokenTable:
     def _to(self, device: torch.device) -> None:
         if self.table.device != device:
             self.table, self.seen, self.last = self.table.to(device), self.seen.to(device), self.last.to(device)
+            self.lognorm, self.hits = self.lognorm.to(device), self.hits.to(device)
 
     def outliers(self, X: Tensor, keys: Tensor, c: float, fresh: int = 4) -> float | None:
         """How much of the batch lies far off its rows: z_t = ‖x_t − row‖² over c times the
@@ -103,17 +107,36 @@ class TokenTable:
             return 0.0
         return float(R.mean(0).norm() / den)
 
-    def update(self, X: Tensor, keys: Tensor, weight: float = 1.0) -> None:
-        """Move the rows of the batch's keys toward the batch's per-key means; ``weight`` scales
-        the step (rejected tensors move it less)."""
+    def lognorm_residual(self, keys: Tensor, norms: Tensor, min_hits: int = 4) -> float | None:
+        """The median over the batch's positions of their log norm (``norms``, (N,)) minus their
+        token's row of ``lognorm``: how large the batch's codes are *for its tokens*. A batch of
+        tokens that usually carry small codes (runs of whitespace) is not small by this measure.
+        Only rows that ``min_hits`` batches have updated count (a row from one or two batches is
+        as noisy as the position compared with it); None while too few positions have one."""
+        if self.count == 0 or keys.numel() == 0:
+            return None
+        self._to(keys.device)
+        known = self.seen[keys] & (self.hits[keys] >= min_hits)
+        if int(known.sum()) < max(8, keys.numel() // 4):
+            return None
+        return float((norms.reshape(-1).to(self.lognorm.device)[known] - self.lognorm[keys[known]]).median())
+
+    def update(self, X: Tensor, keys: Tensor, weight: float = 1.0, norms: Tensor | None = None) -> None:
+        """Move the rows of the batch's keys toward the batch's per-key means (and ``lognorm``
+        toward the per-key mean of ``norms``, (N,) log norms of the same positions); ``weight``
+        scales the step (rejected tensors move it less)."""
         if X.shape[0] == 0:
             return
         self._to(X.device)
-        sums = torch.zeros(self.buckets, self.k, device=X.device).index_add_(0, keys, X)
+        if norms is not None:
+            X = torch.cat([X, norms.to(X.device, X.dtype).reshape(-1, 1)], dim=1)
+        sums = torch.zeros(self.buckets, X.shape[1], device=X.device).index_add_(0, keys, X)
         counts = torch.bincount(keys, minlength=self.buckets)
         present = counts > 0
         means = sums[present] / counts[present].unsqueeze(1).float()
         old = self.table[present]
+        if norms is not None:
+            old = torch.cat([old, self.lognorm[present].unsqueeze(1)], dim=1)
         fresh = ~self.seen[present]
         a = (1 - self.beta) * weight
         new = torch.where(fresh.unsqueeze(1), means, (1 - a) * old + a * means)
@@ -121,7 +144,11 @@ class TokenTable:
             new = torch.where(fresh.unsqueeze(1), old, new)
             present = present & self.seen
             new = new[~fresh]
+        if norms is not None:
+            self.lognorm[present] = new[:, -1]
+            new = new[:, :-1]
         self.table[present] = new
+        self.hits[present] += 1
         self.seen |= present
         self.count += 1
         self.last[present] = self.count

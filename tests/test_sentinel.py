@@ -142,6 +142,69 @@ def test_token_table_agreement_and_shift():
 
 
 
+def whitespace_traffic(seed: int, B: int = 4, L: int = 64, small: float = 0.5):
+    """Endless honest activations where token 0 (a space) carries codes ``small`` times as large
+    as the other 31 tokens', in runs: each row is either prose (a space in one position of eight)
+    or indentation (three spaces in four), so the median token norm of a batch depends on how
+    much indentation it holds."""
+    E = torch.randn(32, K, generator=torch.Generator().manual_seed(11))
+    E = E / E.norm(dim=1, keepdim=True) * math.sqrt(K)
+    E[0] *= small
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        ids = torch.randint(1, 32, (B, L), generator=g)
+        share = torch.where(torch.rand(B, 1, generator=g) < 0.5, 0.75, 0.125)
+        ids[torch.rand(B, L, generator=g) < share] = 0
+        yield ids, E[ids] * (1 + 0.05 * torch.randn(B, L, 1, generator=g))
+
+
+def test_the_scale_a_batch_s_tokens_explain_is_not_held_against_it():
+    """The table keeps each token's mean log norm; the residual scale (median over positions of
+    log norm minus the token's row) of an indentation-heavy batch is that of a prose batch, though
+    its median token norm is half as large. A lone sender alternating between the two is judged on
+    the residual: none of its tensors is over the ``scale`` fence, and its scale distance has a
+    median under 0.02, where the raw log scale moves by up to log 2 between batches (the channel
+    moments do see the mix of tokens change); so the fence stays tight, and the same traffic
+    scaled by 1.25 is rejected on ``scale``."""
+    from security.sentinel import position_lognorms
+
+    src = whitespace_traffic(1)
+    tab = TokenTable(128, K, 0.9)
+    for _ in range(3):
+        ids, x = next(src)
+        X, keys = TokenTable.keys(x, ids, "act", 128)
+        norms = position_lognorms(x.norm(dim=-1), K, grad=False).unsqueeze(-1)
+        tab.update(X, keys, norms=TokenTable.keys(norms, ids, "act", 128)[0])
+        assert tab.lognorm_residual(keys, TokenTable.keys(norms, ids, "act", 128)[0]) is None  # rows too young
+    for _ in range(3):
+        ids, x = next(src)
+        X, keys = TokenTable.keys(x, ids, "act", 128)
+        tab.update(X, keys, norms=position_lognorms(x.norm(dim=-1), K, grad=False).reshape(-1))
+    assert tab.lognorm[0] == pytest.approx(math.log(0.5), abs=0.05) and tab.lognorm[1:32].abs().max() < 0.05
+    prose = torch.randint(1, 32, (4, 64), generator=torch.Generator().manual_seed(3))
+    indent = prose.clone()
+    indent[:, ::4] = indent[:, 1::4] = indent[:, 2::4] = 0
+    for ids in (prose, indent):
+        keys = ids.reshape(-1)
+        norms = tab.lognorm[keys] + 0.02  # as large as each token usually is, and 2% more
+        assert tab.lognorm_residual(keys, norms) == pytest.approx(0.02, abs=1e-5)
+
+    sentinel = Sentinel(SentinelParams(warmup=20))
+    src = whitespace_traffic(2)
+    verdicts, raw = [], []
+    for i in range(200):
+        ids, x = next(src)
+        raw.append(float(normalize(x.reshape(-1, K), False, 3.0)[1]))
+        verdicts.append(sentinel.judge("a", "act", x, ids))
+    assert max(raw) - min(raw) > 0.6  # the raw log scale swings by about log 2
+    assert not [j for j in verdicts if "scale" in j.over]
+    # judged on the raw log scale, its distance has a median of 0.077 and reaches 0.62, and the
+    # fence widens to match, so that a 25% scaling passes
+    assert sorted(j.distances["scale"] for j in verdicts[40:])[80] < 0.02
+    scaled = [sentinel.judge("a", "act", x * 1.25, ids, commit=False) for ids, x in (next(src) for _ in range(10))]
+    assert all("scale" in j.over and j.over["scale"] > 2 for j in scaled)
+
+
 def test_position_outliers_see_a_few_swapped_positions():
     """pos: how far positions lie beyond pos_c times the batch's median residual (each contributes
     clamp(z − 1, 0, 3), mean times √N). Honest codes (row + noise): ~0; 5% of the positions

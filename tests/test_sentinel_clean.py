@@ -96,11 +96,13 @@ def test_the_second_replica_a_stage_wide_move_reaches_is_excused_at_once(factor)
     """a and b both move (by 5%: marginal flags; by 25%: clear ones). a's tensors out before b's
     are rejected against a's own reference; b's first tensor out is accepted as a stage-wide
     shift, since a's latest was out too (before: rejected; shift mode needed b's previous tensor
-    out as well, so the move cost one flag more per replica)."""
+    out as well, so the move cost one flag more per replica). A small move may not leave b's
+    fence at all: the scale is judged against the token table's norms (``position_lognorms``),
+    which a's first accepted tensor after the move has already moved."""
     _, verdicts = run(move_b=True, a_versions="stuck", factor=factor)
     a, b = verdicts["a"], verdicts["b"]
     assert not a[0].accept and a[0].reason == "sentinel:scale"
-    assert b[0].accept and b[0].basis == "shift"
+    assert b[0].accept and (b[0].basis == "shift" or b[0].score <= 1.0)
     assert all(j.accept for j in a[-10:] + b[-10:])  # both followed
 
 
