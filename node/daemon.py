@@ -273,6 +273,12 @@ class Node:
                 self.step_log = open(self.cfg.json_log, "a", encoding="utf-8")
             except OSError as e:
                 raise CliError(f"--json-log {self.cfg.json_log}: cannot open it ({e.strerror})") from None
+        self.verdict_log = None
+        if self.cfg.verdict_log:
+            try:
+                self.verdict_log = open(self.cfg.verdict_log, "a", encoding="utf-8")
+            except OSError as e:
+                raise CliError(f"--verdict-log {self.cfg.verdict_log}: cannot open it ({e.strerror})") from None
         torch.manual_seed(self.cfg.seed or int.from_bytes(os.urandom(4), "little"))
 
     def _runtime(self, transport):
@@ -291,7 +297,7 @@ class Node:
             metrics=self.metrics, verifier=make_verifier(self.m, self.index), peer_id=self.peer_id,
             device=self.device, options=options, batches=self.batches, averager=self.averager,
             checkpointer=self._save_async if cfg.checkpoint_dir else None, rng=new_microbatch_rng(cfg.seed),
-            attacks=self.attacks, step_log=self.step_log,
+            attacks=self.attacks, step_log=self.step_log, verdict_log=self.verdict_log,
         )
         if self.checkpoint is not None:
             step, tensors, meta = self.checkpoint
@@ -609,6 +615,8 @@ class Node:
         self._ckpt_pool.shutdown(wait=True)
         if rt.step_log is not None:
             rt.step_log.close()
+        if self.verdict_log is not None:
+            self.verdict_log.close()
         if self.averager is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.averager.close)
         self._set_server_state("offline")

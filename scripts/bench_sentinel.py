@@ -479,8 +479,10 @@ class HarmTally:
         self.fp = self.judged_honest = 0
         self.reasons: dict[str, int] = {}
         self.honest_reasons: dict[str, int] = {}
+        self.binding: dict[str, int] = {}  # per accepted malicious tensor: the distance nearest its fence
 
-    def add(self, sender: str, direction: str, malicious: bool, verdict, step: int, harm: float | None) -> None:
+    def add(self, sender: str, direction: str, malicious: bool, verdict, step: int, harm: float | None,
+            fences: dict[str, float] | None = None) -> None:
         if step < self.start:
             return
         rejected = not verdict.accept
@@ -488,6 +490,12 @@ class HarmTally:
             self.rows.append((sender, direction, rejected, harm, sender not in self.banned_at))
             if rejected:
                 self.reasons[verdict.reason] = self.reasons.get(verdict.reason, 0) + 1
+            elif fences:
+                ratios = {n: v / fences[n] for n, v in verdict.distances.items()
+                          if n in fences and 0 < fences[n] < math.inf and math.isfinite(v)}
+                if ratios:
+                    name = f"{direction}:{max(ratios, key=ratios.get)}"
+                    self.binding[name] = self.binding.get(name, 0) + 1
         else:
             self.fp += rejected
             self.judged_honest += 1
@@ -521,6 +529,7 @@ class HarmTally:
         out["ban_delay_steps"] = {s: self.banned_at[s] - self.start for s in sorted(malicious) if s in self.banned_at}
         out["honest_rejected"] = [self.fp, self.judged_honest, self.honest_reasons]
         out["reasons"] = dict(sorted(self.reasons.items(), key=lambda kv: -kv[1]))
+        out["binding"] = dict(sorted(self.binding.items(), key=lambda kv: -kv[1]))
         return out
 
 
@@ -671,7 +680,8 @@ def harm(args) -> dict:
                 if bad and attacked:
                     h = (_rel(_centred_logits(tail, sent[:R], ids_r), y_honest) if direction == "act"
                          else _rel(head_grad(sent), h_honest))
-                run["tally"].add(replica, direction, bad and attacked, v, step, h)
+                run["tally"].add(replica, direction, bad and attacked, v, step, h,
+                                 run[node].sentinel.fences(direction) if bad and attacked and v.accept else None)
         c0.backward(g1)
         for stage, opt in ((head, sw.opts[0]), (bodies[j], pair.opts[j] if pair else sw.opts[1]), (tail, sw.opts[2])):
             torch.nn.utils.clip_grad_norm_(stage.parameters(), m.optim.grad_clip)
@@ -906,10 +916,12 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     t0 = time.monotonic()
     with LocalSwarm(str(path), workdir=workdir) as sw:
         sw.start_bootstrap()
-        # each node's per-step JSON log (look-ahead steps and distance, step period) beside its
-        # stderr log: what a replica's weights did when a verifier flagged it
+        # each node's per-step JSON log (look-ahead steps and distance, step period) and its
+        # per-verdict log (every distance, those over their fences) beside its stderr log: what a
+        # replica's weights did when a verifier flagged it, and what the verifier saw
         def start(stage: int, name: str):
             return sw.start_node(stage, name, extra=["--json-log", str(workdir / f"{name}.steps.jsonl"),
+                                                     "--verdict-log", str(workdir / f"{name}.verdicts.jsonl"),
                                                      *shlex.split(args.clean_node_args)])
 
         nodes = [start(0, "head"), *(start(1, f"body{i}") for i in range(args.clean_replicas)), start(2, "tail")]

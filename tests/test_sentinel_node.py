@@ -348,3 +348,39 @@ def test_a_refusal_weighs_by_the_score_it_carries():
     assert refusal_weight_of(4.2, 0.5) == 1.0
     assert refusal_weight_of(1.1, 0.0) == 1.0  # ban_margin 0: unweighted
     assert refusal_weight_of(None, 0.5) == 1.0  # no score: a rule's rejection or a ban there
+
+
+@pytest.mark.asyncio
+async def test_the_verdict_log_holds_one_line_per_verdict_with_its_distances(test_manifest, tmp_path, caplog):
+    """``--verdict-log``: one JSON object per verdict (peer, direction, version, microbatch,
+    verdict, score, basis, every distance and those over their fences); a rejection's line
+    carries what the log line's worst distance hides. A write that fails (full disk, closed
+    file) stops the log with an error and verification goes on."""
+    import json
+
+    net = Net()
+    tail = make_runtime(test_manifest, 2, "tail", net, verifier=SentinelVerifier(test_manifest.k))
+    path = tmp_path / "verdicts.jsonl"
+    tail.guard.verdict_log = open(path, "a", encoding="utf-8")
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(256, test_manifest.k, generator=g)
+    for i in range(30):
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        x = table[ids] + 0.3 * torch.randn(2, 16, test_manifest.k, generator=g)
+        await tail.guard.verify("b1", "act", x * (40.0 if i == 29 else 1.0), 100 + i, ids, i)
+    tail.guard.verdict_log.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 30 and [r["mb"] for r in rows] == list(range(30))
+    assert {r["peer"] for r in rows} == {"b1"} and {r["direction"] for r in rows} == {"act"}
+    assert rows[0]["basis"] == "warmup" and rows[0]["accept"] and rows[5]["version"] == 105
+    bad = rows[-1]
+    assert not bad["accept"] and bad["reason"] == "sentinel:scale" and bad["score"] > 1
+    assert bad["over"]["scale"] == bad["score"] and all(v > 1 for v in bad["over"].values())
+    assert {"l1", "scale", "tok"} <= set(bad["distances"])
+    # the closed file: the next write fails; logged once, verification goes on
+    x = table[ids]
+    verdict = await tail.guard.verify("b1", "act", x, 200, ids, 30)
+    assert verdict is not None and tail.guard.verdict_log is None
+    assert "verdict log: cannot write" in caplog.text
+    await tail.guard.verify("b1", "act", x, 201, ids, 31)
+    tail.guard.stop()

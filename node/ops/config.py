@@ -63,6 +63,7 @@ class NodeConfig:
     averaging: bool = True  # background sparse averaging with the other replicas of our stage
     verify_state: bool = True  # take a replica's downloaded weights only when another replica's agree
     json_log: str = ""  # append one JSON object per optimizer step (step, time, tokens, loss, look-ahead) here
+    verdict_log: str = ""  # append one JSON object per verifier verdict (peer, direction, distances, fences passed) here
 
     def stage_index(self) -> int | None:
         """``None`` for ``auto``, else the forced stage index."""
@@ -104,6 +105,8 @@ _HELP = {
     "seed": "local random seed for microbatch ids and routing ties (0: from the OS)",
     "averaging": "average a slice of the weights with the other replicas of this stage (AsyncMesh)",
     "json_log": "append one JSON object per optimizer step (step, time, tokens, loss on the tail, look-ahead) to this file",
+    "verdict_log": "append one JSON object per verifier verdict (time, peer, direction, version, verdict, score, "
+                   "every distance and those over their fences) to this file",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}

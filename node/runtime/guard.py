@@ -19,7 +19,9 @@ import asyncio
 import collections
 import contextlib
 import functools
+import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
@@ -39,8 +41,9 @@ class Guard:
     """Verdicts and bans of one stage (``index``); see the module docstring."""
 
     def __init__(self, index: int, sentinel: SentinelConfig, options: RuntimeOptions, *, verifier, router,
-                 metrics, tasks: Tasks, resync: Callable[[], Awaitable[bool]]):
+                 metrics, tasks: Tasks, resync: Callable[[], Awaitable[bool]], verdict_log=None):
         self.index, self.sentinel, self.options = index, sentinel, options
+        self.verdict_log = verdict_log  # a text file: one JSON object per verdict (``--verdict-log``)
         self.verifier, self.router, self.metrics, self.tasks = verifier, router, metrics, tasks
         self.resync = resync  # fetch and adopt another replica's weights; False when none gave them
         self.banlist = BanList(flags_to_ban=sentinel.flags_to_ban, memory=max(20, sentinel.flags_to_ban),
@@ -82,6 +85,8 @@ class Guard:
             if len(self.passed) > 4096:  # peers come and go: keep the ones we still know
                 self.passed = collections.Counter({p: n for p, n in self.passed.items() if p in self.router.peers})
         self.metrics.verdicts.labels(direction=direction, verdict=label, reason=verdict.reason or "ok").inc()
+        if self.verdict_log is not None:
+            self._log_verdict(peer, direction, version, mb, verdict)
         if not verdict.accept:
             log.warning("verifier rejected %s from %s: %s", direction, peer[-8:], describe_rejection(verdict))
         now = time.monotonic()
@@ -99,6 +104,25 @@ class Guard:
         elif self.banlist.is_banned(peer, now) and peer not in self.router.banned():
             self._ban(peer, now, "verifier", f"its {direction} tensors keep failing verification ({verdict.reason})")
         return verdict
+
+    def _log_verdict(self, peer: str, direction: str, version: int, mb: int, verdict) -> None:
+        """One line of the ``--verdict-log``: who sent what, the verdict, every distance and
+        those over their fences (what a false flag needs to be traced; the log line names the
+        worst only)."""
+        def num(v):
+            v = float(v)
+            return round(v, 5) if math.isfinite(v) else str(v)
+
+        rec = {"time": round(time.time(), 3), "peer": peer, "direction": direction, "version": version, "mb": mb,
+               "accept": bool(verdict.accept), "reason": verdict.reason, "score": num(verdict.score or 0.0),
+               "basis": verdict.basis, "over": {k: num(v) for k, v in (getattr(verdict, "over", None) or {}).items()},
+               "distances": {k: num(v) for k, v in (verdict.distances or {}).items()}}
+        try:
+            self.verdict_log.write(json.dumps(rec) + "\n")
+            self.verdict_log.flush()
+        except (OSError, ValueError) as e:  # a full disk or a closed file: stop logging, keep verifying
+            log.error("verdict log: cannot write (%s); not logging verdicts any more", e)
+            self.verdict_log = None
 
     def _ban(self, peer: str, now: float, cause: str, why: str) -> None:
         """``peer`` collected enough flags (``banlist`` banned it): route around it for the ban's

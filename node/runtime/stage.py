@@ -85,6 +85,7 @@ class StageRuntime:
         rng: random.Random | None = None,
         attacks: dict | None = None,
         step_log=None,
+        verdict_log=None,
     ):
         self.manifest, self.index, self.peer_id = manifest, index, peer_id
         self.is_head, self.is_tail = index == 0, index == manifest.n_stages - 1
@@ -105,7 +106,7 @@ class StageRuntime:
             averager=averager, checkpointer=checkpointer, step_log=step_log,
         )
         self.guard = Guard(index, manifest.sentinel, options, verifier=verifier, router=router, metrics=metrics,
-                           tasks=self.tasks, resync=self.resync_from_replica)
+                           tasks=self.tasks, resync=self.resync_from_replica, verdict_log=verdict_log)
         attacks = dict(attacks or {})
         self.state_attack = attacks.pop("state", None)  # testing a joiner's check only: serve poisoned weights
         self.morph = MorphEpochs(morph_every(manifest), self.run_id, self.mhash, index, manifest.n_stages, peer_id,
