@@ -94,6 +94,29 @@ def test_failures_ban_with_exponential_backoff_and_success_clears():
     assert r.bans_total["unreachable"] == 5
 
 
+def test_a_refused_replica_sits_out_the_next_choices_while_another_is_available():
+    """``cool``: a replica whose output the next stage refused looks idle (no gradient comes back,
+    its queue empties) and would draw the next microbatches; it is passed over for ``choices``
+    choices of its stage while another replica is available, at most ``seconds``, and a cool-down
+    of 0 ends it. Alone in its stage it is still chosen."""
+    r, clock = make([Rec("a", 1, throughput=100, queue=0), Rec("b", 1, throughput=100, queue=3)])
+    assert r.choose(1) == "a"  # the least loaded
+    r.cool("a", 2)
+    assert [r.choose(1), r.choose(1), r.choose(1)] == ["b", "b", "a"]
+    r.cool("a", 2)
+    clock.t += 10.1  # expired
+    assert r.choose(1) == "a"
+    r.cool("a", 5)
+    assert r.choose(1) == "b"
+    r.cool("a", 0)  # its output got through again
+    assert r.choose(1) == "a"
+    r.cool("a", 2)
+    assert r.choose(1, exclude={"b"}) == "a"  # nobody else: still chosen
+    r.on_failure("b")  # banned: nobody else
+    assert r.choose(1) == "a"
+    r.cool("nobody", 2)  # unknown peers are ignored
+
+
 def test_a_fresh_announcement_lifts_an_unreachable_ban():
     r, clock = make([Rec("a", 1, time=50.0), Rec("b", 1, time=50.0)])
     r.on_failure("a")

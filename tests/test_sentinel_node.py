@@ -180,6 +180,28 @@ async def test_a_relayed_refusal_blames_only_the_hop_whose_output_was_refused(te
 
 
 @pytest.mark.asyncio
+async def test_a_replica_whose_output_was_refused_sits_out_the_next_microbatches(test_manifest):
+    """The stage before sends its next ``REFUSAL_COOL_CHOICES`` microbatches for that stage to the
+    other replica (the refused one, with no gradient coming back, would look the least busy and
+    draw them, each refused again for the same weights); an output that gets through ends it."""
+    from node.runtime.guard import REFUSAL_COOL_CHOICES
+
+    net = Net()
+    head = make_runtime(test_manifest, 0, "head", net, batches=head_batches(test_manifest))
+    b1, b2 = (make_runtime(test_manifest, 1, p, net) for p in ("b1", "b2"))
+    link([head, b1, b2])
+    head.router.on_sent("b2")  # b2 busier: b1 is the router's pick
+    assert head.router.choose(1) == "b1"
+    head.guard.downstream_outcome("b1", True, score=1.1, version=7)
+    picks = [head.router.choose(1) for _ in range(REFUSAL_COOL_CHOICES + 1)]
+    assert picks == ["b2"] * REFUSAL_COOL_CHOICES + ["b1"]
+    head.guard.downstream_outcome("b1", True, score=1.1, version=7)
+    head.guard.downstream_outcome("b1", False)
+    assert head.router.choose(1) == "b1"
+    head.guard.stop()
+
+
+@pytest.mark.asyncio
 async def test_scattered_refusals_of_an_honest_replica_never_ban_it(test_manifest):
     """Refusals mixed with delivered outputs (an honest replica at the next stage's false-positive
     rate) do not ban; only flags_to_ban + 2 refusals in a row do, and never the last replica."""

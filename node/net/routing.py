@@ -89,6 +89,8 @@ class PeerState:
     in_dht: bool = True
     announced: float = 0.0  # the peer's own timestamp on its latest DHT record
     ban_announced: float = 0.0  # that timestamp when we banned it for being unreachable
+    cool: int = 0  # choices of its stage to sit out (``Router.cool``)
+    cool_until: float = 0.0  # ... at most until then
 
 
 class Router:
@@ -160,10 +162,18 @@ class Router:
         return (p.queue + p.outstanding + 1) / max(capacity, 1e-9)
 
     def choose(self, stage: int, exclude=()) -> str | None:
-        """The replica of ``stage`` with the shortest expected wait, or None if there is none."""
+        """The replica of ``stage`` with the shortest expected wait, or None if there is none.
+        Replicas cooling down after a refusal (``cool``) are passed over while another one is
+        available, each such choice counting down their cool-down."""
         cands = [p for p in self.stage_peers(stage) if p.peer_id not in exclude]
         if not cands:
             return None
+        now = self.clock()
+        cooling = [p for p in cands if p.cool > 0 and p.cool_until > now]
+        if cooling and len(cooling) < len(cands):
+            for p in cooling:
+                p.cool -= 1
+            cands = [p for p in cands if not any(p is c for c in cooling)]
         rates = [r for r in map(announced_rate, self.stage_peers(stage, include_banned=True)) if r > 0]
         typical = statistics.median(rates) if rates else 1.0
         scored = [(self.score(p, typical), self.rng.random(), p.peer_id) for p in cands]
@@ -193,6 +203,21 @@ class Router:
         p.rtt_ema = rtt if p.rtt_ema is None else 0.8 * p.rtt_ema + 0.2 * rtt
         if queue is not None:
             p.queue = int(queue)
+
+    def cool(self, peer: str, choices: int, seconds: float = 10.0) -> None:
+        """The next stage refused ``peer``'s output: pass it over for the next ``choices`` choices
+        of its stage where another replica is available (for at most ``seconds``); ``choices``
+        0 ends a cool-down (its output got through again).
+
+        A replica whose output is refused gets no gradient, so it does not step and its queue
+        empties: by load alone it looks the least busy and drew the stage's next microbatches,
+        each refused again for the same weights (a clean real swarm: eight activations of one
+        version refused in two seconds while a stage-wide move reached its partner's output
+        four seconds later). Passing it over for a couple of microbatches lets the partner's
+        output show the move to the next stage first, and wastes less work on a poisoner."""
+        p = self._get(peer)
+        if p is not None:
+            p.cool, p.cool_until = max(0, choices), self.clock() + seconds
 
     def on_busy(self, peer: str) -> None:
         """``busy`` is backpressure, not a fault: count its queue as full until the next ack."""

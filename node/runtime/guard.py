@@ -36,6 +36,10 @@ from stages import SentinelConfig
 
 log = logging.getLogger("swarm_node.runtime")
 
+# after the next stage refuses a replica's output, the next this many microbatches for its stage go
+# to other replicas when there are any (``Router.cool``)
+REFUSAL_COOL_CHOICES = 2
+
 
 class Guard:
     """Verdicts and bans of one stage (``index``); see the module docstring."""
@@ -174,8 +178,10 @@ class Guard:
         if not refused:
             recent.append((False, 0.0))
             versions.accepted()
+            self.router.cool(peer, 0)
             return
         recent.append((True, versions.count(refusal_weight_of(score, self.sentinel.ban_margin), version)))
+        self.router.cool(peer, REFUSAL_COOL_CHOICES)
         log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
         if len(recent) < recent.maxlen or not all(r for r, _ in recent) or sum(w for _, w in recent) < flags_to_ban \
                 or peer in self.router.banned() or self.last_replica(peer):
