@@ -11,7 +11,8 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    one odd sequence (measured on the default model: the RMS jumps 5× while the median token norm
    moves 10%), so RMS-based statistics would flag honest traffic. log σ is kept as the scale
    (gradients: log(N·σ), N = B·L, cancelling the 1/N of a mean loss so microbatch size does not
-   matter).
+   matter), with the part the batch's tokens explain taken out once the token table can say
+   (``position_lognorms``: batches of indentation carry small codes).
 2. Statistics (``Stats``) of the normalised token vectors x_t ∈ R^k:
    per channel mean, mean |x|, RMS; Q quantiles of the projections y_tj = x_t·p_j on m fixed,
    seeded unit vectors p_j.
