@@ -202,6 +202,33 @@ async def test_a_replica_whose_output_was_refused_sits_out_the_next_microbatches
 
 
 @pytest.mark.asyncio
+async def test_the_head_s_cool_down_counts_microbatches_sent_not_readiness_checks(test_manifest):
+    """The head's injection loop asks whether the next stage has a replica before each microbatch;
+    that question must not count down a cool-down (it did: a cool-down of n choices lasted n / 2
+    microbatches). With b2 cooling for four choices, the head's first four microbatches go to b1."""
+    m = test_manifest.replace(schedule={"warmup_steps": 2})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=1)
+    b1, b2 = (make_runtime(m, 1, p, net, seed=1) for p in ("b1", "b2"))
+    verifier = RecordingVerifier()
+    tail = make_runtime(m, 2, "tail", net, verifier=verifier)
+    rts = [head, b1, b2, tail]
+    link(rts)
+    await start_all(rts)
+    head.router.cool("b2", 4, seconds=60.0)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        def senders():
+            with verifier.lock:
+                return [sender for sender, direction, _ in verifier.seen if direction == "act"]
+        assert await wait_for(lambda: len(senders()) >= 4, timeout=60)
+        assert senders()[:4] == ["b1"] * 4  # in the order the tail received them
+    finally:
+        drive.cancel()
+        await stop_all(rts)
+
+
+@pytest.mark.asyncio
 async def test_scattered_refusals_of_an_honest_replica_never_ban_it(test_manifest):
     """Refusals mixed with delivered outputs (an honest replica at the next stage's false-positive
     rate) do not ban; only flags_to_ban + 2 refusals in a row do, and never the last replica."""

@@ -357,7 +357,7 @@ class Pipeline:
             ready = (
                 self.state() == "online"
                 and policy.may_inject(self.inflight)
-                and (self.is_tail or self.router.choose(1) is not None)
+                and (self.is_tail or bool(self.router.stage_peers(1)))  # not choose(): it counts cool-downs
             )
             if not ready:
                 self.wake.clear()
