@@ -36,6 +36,16 @@ from node.ops import config as node_config
 log = logging.getLogger("swarm_node.daemon")
 
 
+def _append_log(path: str, flag: str):
+    """``path`` opened for appending JSON lines (None when unset); a clear error if it cannot be."""
+    if not path:
+        return None
+    try:
+        return open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"{flag} {path}: cannot open it ({e.strerror})") from None
+
+
 def add_arguments(parser) -> None:
     node_config.add_arguments(parser)
 
@@ -267,18 +277,8 @@ class Node:
         if self.cfg.attack:
             self.attacks = make_attacks(self.cfg.attack, seed=self.cfg.seed)
             log.warning("TESTING: this node poisons what it sends with the %r attack", self.cfg.attack)
-        self.step_log = None
-        if self.cfg.json_log:
-            try:
-                self.step_log = open(self.cfg.json_log, "a", encoding="utf-8")
-            except OSError as e:
-                raise CliError(f"--json-log {self.cfg.json_log}: cannot open it ({e.strerror})") from None
-        self.verdict_log = None
-        if self.cfg.verdict_log:
-            try:
-                self.verdict_log = open(self.cfg.verdict_log, "a", encoding="utf-8")
-            except OSError as e:
-                raise CliError(f"--verdict-log {self.cfg.verdict_log}: cannot open it ({e.strerror})") from None
+        self.step_log = _append_log(self.cfg.json_log, "--json-log")
+        self.verdict_log = _append_log(self.cfg.verdict_log, "--verdict-log")
         torch.manual_seed(self.cfg.seed or int.from_bytes(os.urandom(4), "little"))
 
     def _runtime(self, transport):
