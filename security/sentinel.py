@@ -90,14 +90,14 @@ from security.stats import (  # noqa: F401  (re-exported: the statistics are par
     projections,
     tukey_fence,
 )
-from security.token_table import TokenTable, context_keys, context_score, context_update
+from security.token_table import TokenTable, adjacent_agreement, context_keys, context_score, context_update
 
 DIRECTIONS = ("act", "grad")
-DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "cum")
+DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "adj", "adjc", "cum")
 # the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
-AVERAGED = ("tok", "ctx")  # distances also judged averaged over a sender's own tensors: tokc, ctxc
-SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx")
-TABLE = ("tok", "shift", "pos", "ctx")  # distances to the shared token tables, not to the sender's own reference
+AVERAGED = ("tok", "ctx", "adj")  # distances also judged averaged over a sender's own tensors: tokc, ctxc
+SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx", "adj")
+TABLE = ("tok", "shift", "pos", "ctx", "adj")  # distances to the shared token tables, not to the sender's own reference
 
 
 @dataclass(frozen=True)
@@ -506,9 +506,11 @@ class Sentinel:
             if state.table is not None and state.table.k == k:
                 for name, value in (("tok", state.table.agreement(tX, tkeys)), ("shift", state.table.shift(tX, tkeys)),
                                     ("pos", state.table.outliers(tX, tkeys, p.pos_c) if direction == "act" else None),
-                                    ("ctx", context_score(state.table, state.ctx, cX, ctok, cpair, direction))):
+                                    ("ctx", context_score(state.table, state.ctx, cX, ctok, cpair, direction)),
+                                    ("adj", adjacent_agreement(state.table, Xn.view(x.shape), tkeys.view(x.shape[:-1]))
+                                     if direction == "act" else None)):
                     if value is not None:
-                        d[name] = 1.0 - value if name in ("tok", "ctx") else value
+                        d[name] = 1.0 - value if name in ("tok", "ctx", "adj") else value
             for name in AVERAGED:
                 if name in d:
                     d[name + "c"], averaged[name] = self._tokc(state, sender, name, d[name])

@@ -198,6 +198,26 @@ def _residual_corr(table, ctx, X: Tensor, tok: Tensor, key: Tensor, residual_row
     return centred_corr(X[known] - base, C)
 
 
+def adjacent_agreement(table: TokenTable | None, X: Tensor, keys: Tensor) -> float | None:
+    """Correlation between what neighbouring positions carry beyond their tokens' rows,
+    x_t − T[id_t] and x_{t−1} − T[id_{t−1}], over the pairs of positions of a row that both have
+    a row in the table (``X`` (B, L, k), ``keys`` (B, L)). Neighbours share most of their context,
+    and honest activations carry it: codes moved to other positions (exchanged between
+    positions of one token, permuted, blended with others) lose the agreement. It needs no
+    table of contexts and follows no sender, so nothing slow can move it; None while too few
+    pairs have rows."""
+    if table is None or table.count == 0 or X.shape[1] < 2:
+        return None
+    table._to(X.device)
+    keys = keys.to(X.device)
+    R = X - table.table[keys]
+    known = table.seen[keys]
+    both = known[:, 1:] & known[:, :-1]
+    if int(both.sum()) < max(32, both.numel() // 8):
+        return None
+    return centred_corr(R[:, 1:][both], R[:, :-1][both])
+
+
 def centred_corr(A: Tensor, B: Tensor) -> float:
     """Correlation of two (N, k) sets of vectors, each centred over its N rows; 0 when either is constant."""
     A = A - A.mean(0)

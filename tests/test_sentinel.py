@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from security import ADAPTIVE_FAMILIES, ATTACKS, make_attack
-from security.token_table import context_agreement, context_keys, context_score, context_update
+from security.token_table import adjacent_agreement, context_agreement, context_keys, context_score, context_update
 from security.sentinel import (
     DISTANCES,
     Sentinel,
@@ -613,6 +613,79 @@ def test_codes_exchanged_within_a_token_on_every_tensor_are_caught_by_the_averag
     assert "sentinel:ctxc" in flagged
     assert honest_rejected <= 2
     assert min(ctxc["m"]) > 0.15 and max(ctxc["honest"]) < 0.05, ctxc
+
+
+def state_traffic(seed, V=16, B=8, L=64, rho=0.9, state=1.0, noise=0.3):
+    """batch(): codes that carry a context state shared by neighbours, x_t = E[id_t] + c_t + noise,
+    c_t = ρ·c_{t−1} + √(1−ρ²)·η_t (what a row has read so far), the previous token alone saying
+    nothing about it."""
+    g = torch.Generator().manual_seed(seed)
+    E = 3 * torch.randn(V, K, generator=g)
+
+    def batch():
+        ids = torch.randint(0, V, (B, L), generator=g)
+        c = torch.empty(B, L, K)
+        c[:, 0] = torch.randn(B, K, generator=g)
+        for t in range(1, L):
+            c[:, t] = rho * c[:, t - 1] + math.sqrt(1 - rho * rho) * torch.randn(B, K, generator=g)
+        return ids, E[ids] + state * c + noise * torch.randn(B, L, K, generator=g)
+
+    return batch
+
+
+def test_adjacent_agreement_sees_codes_moved_away_from_their_neighbours():
+    """adj: what neighbouring positions carry beyond their tokens' rows agrees (they share their
+    context); codes exchanged between positions of one token (every per-token statistic kept) or
+    blended with other positions' codes lose that agreement; too few known positions -> None."""
+    batch = state_traffic(5)
+    tab = TokenTable(64, K, 0.9)
+    ids, x = batch()
+    assert adjacent_agreement(tab, x, ids) is None  # an empty table
+    for _ in range(8):
+        ids, x = batch()
+        tab.update(*TokenTable.keys(x, ids, "act", 64))
+    ids, x = batch()
+    honest = adjacent_agreement(tab, x, ids)
+    swapped = make_attack("ctxswap", seed=1)(x, 0, ids=ids)
+    perm = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(2))
+    blended = 0.7 * x + 0.3 * x.reshape(-1, K)[perm].reshape(x.shape)
+    assert honest > 0.6
+    assert adjacent_agreement(tab, swapped, ids) < 0.15
+    assert adjacent_agreement(tab, blended, ids) < honest - 0.2
+    X, keys = TokenTable.keys(x, ids, "act", 64)
+    Xs, _ = TokenTable.keys(swapped, ids, "act", 64)
+    assert tab.agreement(Xs, keys) == pytest.approx(tab.agreement(X, keys), abs=0.02)
+    # positions whose token has no row do not count: with most of them unknown, no answer
+    fresh = ids.clone()
+    fresh[:, : ids.shape[1] * 15 // 16] = 63  # a token id the table has not seen
+    assert adjacent_agreement(tab, x, fresh) is None
+
+
+def test_codes_exchanged_within_a_token_are_caught_by_the_averaged_adjacency():
+    """Codes that carry a context the previous token does not predict: exchanging them between
+    positions of one token on every tensor keeps every per-token statistic, and ``ctx`` (by the
+    previous token) cannot see it; the averaged adjacency (adjc) flags the sender, and no honest
+    one. Before adj: the exchange was accepted on every tensor."""
+    batch = state_traffic(7, V=16, B=4)
+    sen = Sentinel(SentinelParams(warmup=10))
+    atk = make_attack("ctxswap", seed=3)
+    flagged, honest_rejected, adjc = [], [], {"honest": [], "m": []}
+    for t in range(160):
+        ids, x = batch()
+        sender = "abcm"[t % 4]
+        if sender == "m" and t >= 60:
+            j = sen.judge("m", "act", atk(x, t, ids=ids), ids)
+            flagged.append(j.reason)
+        else:
+            j = sen.judge(sender, "act", x, ids)
+            if t >= 60 and not j.accept:
+                honest_rejected.append(j.reason)
+        if t >= 100:
+            adjc["m" if sender == "m" else "honest"].append(j.distances.get("adjc", 0.0))
+    assert flagged.count("sentinel:adjc") >= 18, flagged
+    # the synthetic stream's marginal flags on the batch statistics, never the adjacency
+    assert len(honest_rejected) <= 2 and not {"sentinel:adj", "sentinel:adjc"} & set(honest_rejected), honest_rejected
+    assert min(adjc["m"]) > 0.3 and max(adjc["honest"]) < 0.05, adjc
 
 
 def test_cumulative_tok_needs_two_other_voters():
