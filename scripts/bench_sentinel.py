@@ -912,6 +912,10 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     workdir = Path(args.real_workdir or tempfile.mkdtemp(prefix="bench-sentinel-clean-"))
     workdir = workdir / f"clean-{m.asyncmesh.lookahead_horizon}{tag}"
     workdir.mkdir(parents=True, exist_ok=True)
+    # the nodes append to their JSON logs (an operator's restart keeps its history): a rerun into
+    # the same --real-workdir starts them afresh, so one run's logs hold that run only
+    for stale in [*workdir.glob("*.steps.jsonl"), *workdir.glob("*.verdicts.jsonl")]:
+        stale.unlink()
     path = write_manifest(m, workdir / "manifest.toml")
     t0 = time.monotonic()
     with LocalSwarm(str(path), workdir=workdir) as sw:

@@ -50,6 +50,9 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
                (codes exchanged between positions of one token keep every per-token statistic)
        ctxc  = the sender's ctx averaged over its own tensors minus the other senders' median
                (as tokc for tok: the exchange made on every tensor adds up)
+       adj   = 1 − corr(x_t − T[id_t], x_{t−1} − T[id_{t−1}]) over neighbouring positions
+               (activations: neighbours share their context; codes exchanged or blended
+               with other positions' lose it), and adjc its average as tokc for tok
        cum   = max over the single-tensor distances of the sender's averaged fence ratio minus
                the other senders' median (``Sentinel._cum``: a sender riding just inside the
                fences on every tensor)

@@ -2,9 +2,9 @@
 token pair) usually gets, so a receiver can compare a position with what its token predicts, and
 ``context_agreement`` / ``residual_agreement`` score how well a tensor agrees with what its
 positions' contexts usually carry (``context_keys``, ``context_score``, ``context_update``: the
-previous token for activations, the (token, label) pair for gradients).
-Used by ``security.sentinel`` (the ``tok``, ``tokc``, ``pos`` and ``ctx`` distances); see
-docs/SENTINEL.md."""
+previous token for activations, the (token, label) pair for gradients); ``adjacent_agreement``
+scores how well neighbouring positions' residuals agree (they share their context). Used by ``security.sentinel`` (the ``tok``, ``tokc``, ``pos``, ``ctx`` and ``adj``
+distances); see docs/SENTINEL.md."""
 
 from __future__ import annotations
 
