@@ -444,6 +444,7 @@ HARM_FAMILIES = {
     "rotate": ("angle", (0.2, 1.0)),
     "flip": ("fraction", (0.05, 0.3)),
     "drift": ("rate", (0.01,)),
+    "coherent": ("rel", (0.3, 1.0)),
     "fence": ("margin", (0.9,)),
     "invisible": ("rel", (0.3, 1.0)),
     "bias": ("scale", (0.25,)),

@@ -52,6 +52,10 @@ flip       on a ``fraction`` (0.1) of positions, ``dims`` (2) random coordinates
            their channel mean (x -> 2 mu - x): channel means and RMS kept in expectation
 drift      a bias along a fixed random direction growing by ``rate`` (0.02) of each token's norm
            per tensor sent: slow enough to move any reference that follows the sender
+coherent   ``invisible`` with noise that neighbouring positions share: an AR(1) process along each
+           row (correlation ``rho`` 0.9 between neighbours) of relative RMS ``rel`` (1.0), each
+           token vector rescaled to its honest norm: what a position carries beyond its token
+           still agrees with its neighbours', as honest context does
 fence      white-box: reads the receiver's verifier (``oracle``: tensor -> score; without one, a
            shadow SENTINEL fed its own honest outputs, since the code and the manifest are
            public) and sends the strongest of several harmful edits (positions permuted,
@@ -208,6 +212,23 @@ class Bias(Attack):
         return x + self.scale * _rms(x)
 
 
+def coherent_noise(shape, rho: float, gen: torch.Generator) -> Tensor:
+    """Unit-variance Gaussian noise of ``shape`` (B, L, k) that is an AR(1) process along L with
+    correlation ``rho`` between neighbouring positions."""
+    e = torch.randn(shape, generator=gen)
+    out = torch.empty(shape)
+    out[:, 0] = e[:, 0]
+    c = math.sqrt(1.0 - rho * rho)
+    for t in range(1, shape[1]):
+        out[:, t] = rho * out[:, t - 1] + c * e[:, t]
+    return out
+
+
+def _norm_kept(xf: Tensor, noisy: Tensor) -> Tensor:
+    """``noisy`` with every token vector rescaled to its norm in ``xf``."""
+    return noisy * (xf.norm(dim=-1, keepdim=True) / noisy.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+
+
 class Invisible(Attack):
     name = "invisible"
 
@@ -221,8 +242,29 @@ class Invisible(Attack):
         xf = x.float()
         noisy = xf + self._randn(xf) * float(_rms(xf)) * self.rel
         # rescale every token vector to its honest norm: norms, RMS and value range are unchanged
-        tok = xf.norm(dim=-1, keepdim=True)
-        return noisy * (tok / noisy.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+        return _norm_kept(xf, noisy)
+
+
+class Coherent(Attack):
+    """``invisible`` built to pass ``adj``: i.i.d. noise makes what neighbouring positions carry
+    beyond their tokens disagree, so the noise here is shared by neighbours (``coherent_noise``)."""
+
+    name = "coherent"
+
+    def __init__(self, rel: float = 1.0, rho: float = 0.9, **kw):
+        super().__init__(**kw)
+        if rel <= 0:
+            raise ValueError(f"coherent: rel must be positive, got {rel}")
+        if not 0 <= rho < 1:
+            raise ValueError(f"coherent: rho must be in [0, 1), got {rho}")
+        self.rel, self.rho = rel, rho
+
+    def poison(self, x, step):
+        xf = x.float()
+        if xf.dim() != 3:
+            raise ValueError(f"coherent: expected a (B, L, k) payload, got shape {tuple(xf.shape)}")
+        noise = coherent_noise(tuple(xf.shape), self.rho, self.gen).to(xf.device)
+        return _norm_kept(xf, xf + noise * float(_rms(xf)) * self.rel)
 
 
 class Adaptive(Attack):
@@ -420,7 +462,8 @@ class Fence(Attack):
     SENTINEL (``params``: the public manifest's settings) fed its own honest outputs and asks it.
     Each call it tries several harmful edits e of the honest x -- all positions blended toward a
     target, x + a(t - x), or the target on a random share a of the positions, for the targets
-    "positions permuted", "negated" and "tokens permuted with their ids' codes kept" -- finds by
+    "positions permuted", "negated", "tokens permuted with their ids' codes kept" and "noise
+    neighbours share, norms kept" (``coherent`` at rel 1) -- finds by
     bisection the largest a whose score stays <= ``margin``, and sends the edit that moves x the
     most (the harm it can see is the size of the change)."""
 
@@ -458,6 +501,9 @@ class Fence(Attack):
         if self.ids is not None and tuple(self.ids.shape) == tuple(xf.shape[:2]):
             src = same_id_cycle(token_keys(self.ids, self.direction), 1.0, self.gen).to(X.device)
             targets.append(X[src].reshape(xf.shape))
+        if xf.dim() == 3:
+            noise = coherent_noise(tuple(xf.shape), 0.9, self.gen).to(xf.device)
+            targets.append(_norm_kept(xf, xf + noise * float(_rms(xf))))
         order = torch.randperm(n, generator=self.gen)
         rank = torch.empty(n, dtype=torch.long)
         rank[order] = torch.arange(n)
@@ -489,7 +535,7 @@ class Fence(Attack):
 
 
 _SIMPLE = [Constant, Zeros, Random, Scaling, Negation, SignFlip, Delayed, Bias, Invisible, Adaptive]
-ADAPTIVE = [Swap, CtxSwap, Rotate, Flip, Drift, Fence]
+ADAPTIVE = [Swap, CtxSwap, Rotate, Flip, Drift, Coherent, Fence]
 ATTACKS: dict[str, type[Attack]] = {cls.name: cls for cls in [*_SIMPLE, Mixed, *ADAPTIVE]}
 ADAPTIVE_FAMILIES = tuple(cls.name for cls in ADAPTIVE)
 

@@ -20,7 +20,7 @@ def rms(x):
 def test_registry_and_errors():
     assert set(ATTACKS) == {"constant", "zeros", "random", "scaling", "negation", "sign_flip", "delayed",
                             "bias", "invisible", "adaptive", "mixed",
-                            "swap", "ctxswap", "rotate", "flip", "drift", "fence"}
+                            "swap", "ctxswap", "rotate", "flip", "drift", "coherent", "fence"}
     with pytest.raises(ValueError, match="unknown attack 'nope'"):
         make_attack("nope")
     with pytest.raises(ValueError, match="bad parameters"):
@@ -130,6 +130,24 @@ def test_swap_moves_the_requested_share_and_keeps_the_multiset():
     assert torch.equal(torch.sort(rows(out), dim=0).values, torch.sort(rows(x), dim=0).values)
     moved = float((rows(out) != rows(x)).any(dim=1).float().mean())
     assert moved == pytest.approx(0.1, abs=0.01)
+
+
+def test_coherent_keeps_every_norm_and_adds_noise_that_neighbours_share():
+    """coherent: every token vector keeps its honest norm (as invisible does), and what it adds
+    to neighbouring positions agrees (noise correlated along the row), where invisible's does not."""
+    from security.token_table import centred_corr
+
+    x = honest(shape=(4, 64, 8))
+    out = make_attack("coherent", rel=1.0, seed=3)(x, 0)
+    assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), rtol=1e-4)
+    d = out - x
+    assert float(d.norm() / x.norm()) > 0.3
+    iid = make_attack("invisible", rel=1.0, seed=3)(x, 0) - x
+    assert centred_corr(rows(d[:, 1:]), rows(d[:, :-1])) > 0.5
+    assert abs(centred_corr(rows(iid[:, 1:]), rows(iid[:, :-1]))) < 0.2
+    for bad in ({"rho": 1.0}, {"rel": 0.0}):
+        with pytest.raises(ValueError, match="coherent"):
+            make_attack("coherent", **bad)
 
 
 def test_ctxswap_only_exchanges_codes_between_positions_of_the_same_token():
