@@ -322,6 +322,9 @@ class Backward(NamedTuple):
     delay: int  # measured τ for this microbatch
 
 
+USUAL_EMA = 0.9  # per version: the extrapolation ``LookaheadForward.damp`` falls back to
+
+
 class LookaheadForward:
     """Forward on Ŵ, recompute-backward on the same Ŵ, gradient accumulated into W.
 
@@ -364,6 +367,10 @@ class LookaheadForward:
         self.delays = DelayTracker(delay_ema, initial_delay)
         self.version = 0
         self._cached: StageWeights | None = None
+        # EMA over versions of the extrapolation their weights used, and the version whose
+        # weights ``damp`` asked to recompute with it
+        self.usual: float | None = None
+        self._damp_version = -1
         if mode == "lookahead":  # fail at start-up, not at the first look-ahead
             p = next(iter(_trainable(module).values()), None)
             if p is not None:
@@ -378,17 +385,46 @@ class LookaheadForward:
         return self.delays.tau_hat if self.horizon is None else max(self.delays.tau_hat, self.horizon)
 
     def weights(self) -> StageWeights:
-        """The weights to forward the next microbatch with (computed once per optimizer version)."""
-        if self._cached is None or self._cached.version != self.version:
+        """The weights to forward the next microbatch with (computed once per optimizer version,
+        and once more if ``damp`` asks)."""
+        cached = self._cached
+        if cached is None or cached.version != self.version:
             tau = self.extrapolation
-            if self.mode == "gpipe":
-                tensors = None
-            elif self.mode == "none":
-                tensors = {n: p.detach().clone() for n, p in _trainable(self.module).items()}
-            else:
-                tensors = lookahead_params(self.module, self.optimizer, tau, target=self.target)
-            self._cached = StageWeights(self.version, tau, tensors)
+            if self.mode == "lookahead":
+                self.usual = tau if self.usual is None else USUAL_EMA * self.usual + (1 - USUAL_EMA) * tau
+            self._cached = self._compute(tau)
+        elif self._damp_version == self.version and self.usual is not None and cached.tau_hat > self.usual:
+            self._cached = self._compute(self.usual)
         return self._cached
+
+    def damp(self, version: int) -> bool:
+        """The next stage refused an output this stage forwarded on its weights of ``version``.
+        If that is still the current version and its weights extrapolate further than usual
+        (``usual``: an EMA over versions), the rest of this version's forwards use weights
+        extrapolated by the usual amount; returns whether that happens. Safe to call from
+        another thread than ``weights``' (it only leaves a request).
+
+        A replica whose step period has just fallen (a burst of steps after a stall) looks
+        ahead by more of its own steps than usual, and its outputs move with it; refused, it
+        gets no gradient back and cannot step off that version, so every later output of it is
+        refused too (a clean real swarm: look-ahead 2.6 steps against its usual 1.6, seven
+        refusals in eleven seconds, docs/SENTINEL.md "False flags in clean swarms"). The
+        microbatches already forwarded keep the weights they were forwarded with."""
+        cached = self._cached
+        if (self.mode != "lookahead" or version != self.version or cached is None or cached.version != version
+                or self.usual is None or cached.tau_hat <= self.usual):
+            return False
+        self._damp_version = version
+        return True
+
+    def _compute(self, tau: float) -> StageWeights:
+        if self.mode == "gpipe":
+            tensors = None
+        elif self.mode == "none":
+            tensors = {n: p.detach().clone() for n, p in _trainable(self.module).items()}
+        else:
+            tensors = lookahead_params(self.module, self.optimizer, tau, target=self.target)
+        return StageWeights(self.version, tau, tensors)
 
     def _call(self, weights: StageWeights, inputs: Sequence, params: dict | None):
         if params is None:

@@ -250,6 +250,46 @@ def test_horizon_is_a_floor_under_the_measured_delay():
         LookaheadForward(lin, opt, horizon=-1.0)
 
 
+def test_damp_recomputes_a_refused_version_with_the_usual_extrapolation():
+    """``damp``: the current version's weights looked further ahead than the EMA of earlier
+    versions' (``usual``); the rest of that version forwards on weights extrapolated by
+    ``usual``, the microbatches already forwarded keep theirs, and the next version looks
+    ahead as before. Nothing to do for an older version, a usual one, or mode ``none``."""
+    torch.manual_seed(7)
+    lin = nn.Linear(3, 3)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.02)
+    la = LookaheadForward(lin, opt, horizon=1.0)
+
+    def step():
+        for p in lin.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        la.stepped()
+
+    for _ in range(6):
+        assert la.weights().tau_hat == 1.0
+        step()
+    assert la.usual == pytest.approx(1.0)
+    assert not la.damp(la.version)  # as far ahead as usual: nothing to do
+    la.horizon = 3.0  # the step period fell: more of its own steps in the same horizon
+    far = la.weights()
+    assert far.tau_hat == 3.0 and la.usual == pytest.approx(1.2)
+    kept = {n: t.clone() for n, t in far.tensors.items()}
+    assert not la.damp(la.version - 1)  # an older version's refusal: it has stepped since
+    assert la.damp(la.version)
+    damped = la.weights()
+    assert damped.version == far.version and damped.tau_hat == pytest.approx(1.2)
+    for n, t in lookahead_params(lin, opt, la.usual, target="momentum").items():
+        assert torch.equal(damped.tensors[n], t)
+    assert all(torch.equal(far.tensors[n], kept[n]) for n in kept)  # in flight: unchanged
+    assert la.weights() is damped and not la.damp(la.version)  # once per version
+    step()
+    assert la.weights().tau_hat == 3.0  # the next version looks ahead as measured
+    none = LookaheadForward(lin, opt, mode="none")
+    none.weights()
+    assert not none.damp(none.version)
+
+
 def _train_a_bit(stage, opt, steps, x, ids):
     for _ in range(steps):
         out = stage(x, ids)

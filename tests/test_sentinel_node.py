@@ -202,6 +202,36 @@ async def test_a_replica_whose_output_was_refused_sits_out_the_next_microbatches
 
 
 @pytest.mark.asyncio
+async def test_a_refused_output_asks_its_own_stage_to_damp_that_version_s_look_ahead(test_manifest):
+    """The tail refuses everything b sends: b hears it (its fwd answered rejected-by-verifier)
+    and asks its look-ahead to damp the version that output was forwarded on
+    (``LookaheadForward.damp``); the head, whose outputs b accepts and which only relays the
+    refusal, asks nothing."""
+    from security import BanList
+
+    m = test_manifest.replace(schedule={"warmup_steps": 2})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
+    b = make_runtime(m, 1, "b", net)
+    tail = make_runtime(m, 2, "tail", net, verifier=RecordingVerifier(reject={"b"}))
+    tail.guard.banlist = BanList(flags_to_ban=1000, memory=1000)  # refuses each tensor, never bans
+    asked = {"head": [], "b": []}
+    for name, rt in (("head", head), ("b", b)):
+        rt.trainer.output_refused = lambda w, name=name: asked[name].append(w.version)
+    rts = [head, b, tail]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: len(asked["b"]) >= 3, timeout=60)
+    finally:
+        drive.cancel()
+        await stop_all(rts)
+    assert asked["head"] == []
+    assert all(0 <= v <= b.version for v in asked["b"])  # the versions b forwarded them on
+
+
+@pytest.mark.asyncio
 async def test_the_head_s_cool_down_counts_microbatches_sent_not_readiness_checks(test_manifest):
     """The head's injection loop asks whether the next stage has a replica before each microbatch;
     that question must not count down a cool-down (it did: a cool-down of n choices lasted n / 2

@@ -198,6 +198,8 @@ class Pipeline:
         """Send a context's output on; drop the context if no replica of the next stage takes it."""
         skip = await self.sender.send_fwd(ctx, code, self.is_live, horizon_s=self.trainer.horizon_to_send(ctx))
         if skip is not None:
+            if skip.refused == "own" and skip.why == "rejected-downstream":
+                self.trainer.output_refused(ctx.weights)
             self.drop(ctx.mb, skip)
 
     # ------------------------------------------------------------------ inbound bwd

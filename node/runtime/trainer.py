@@ -289,6 +289,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ look-ahead horizon (event loop)
 
+    def output_refused(self, weights) -> None:
+        """The next stage's verifier refused an output forwarded on ``weights``: if that version
+        looks ahead further than usual, the rest of it looks ahead by the usual amount
+        (``LookaheadForward.damp``)."""
+        if self.lookahead.damp(weights.version):
+            log.info("the next stage refused an output of version %d, forwarded looking %.2f steps ahead "
+                     "(usual %.2f): the rest of this version looks ahead by the usual amount",
+                     weights.version, weights.tau_hat, self.lookahead.usual)
+
     def note_head_horizon(self, h_s: float) -> None:
         """The head's horizon (seconds; validated by the protocol: finite, 0..MAX_HORIZON_S)
         arrived with a fwd: fold it into the EMA and refresh the floor of the extrapolation."""
