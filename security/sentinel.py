@@ -514,9 +514,18 @@ class Sentinel:
                                      if direction == "act" else None)):
                     if value is not None:
                         d[name] = 1.0 - value if name in ("tok", "ctx", "adj") else value
+            # tokc averages the per-position agreement, not the pooled one ``tok`` judges: pooled,
+            # the few positions with large codes rule it, and noise on the others hides there
+            # (``TokenTable.position_agreement``); a single tensor is judged pooled, where an
+            # edit of a few positions shows most
+            base = dict(d)
+            if "tok" in d:
+                pa = state.table.position_agreement(tX, tkeys)
+                if pa is not None:
+                    base["tok"] = 1.0 - pa
             for name in AVERAGED:
                 if name in d:
-                    d[name + "c"], averaged[name] = self._tokc(state, sender, name, d[name])
+                    d[name + "c"], averaged[name] = self._tokc(state, sender, name, base[name])
 
         basis, score, worst, over = "warmup", 0.0, None, {}
         if state.accepted >= p.warmup:

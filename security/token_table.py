@@ -96,6 +96,16 @@ class TokenTable:
         known = self._seen_rows(X, keys)
         return None if known is None else centred_corr(X[known], self.table[keys[known]])
 
+    def position_agreement(self, X: Tensor, keys: Tensor) -> float | None:
+        """The mean over the batch's positions of the cosine between a token vector and its id's
+        table row, each centred over the batch; None while too few of the batch's tokens have
+        been seen (``tokc`` averages this one, see ``security.sentinel``)."""
+        known = self._seen_rows(X, keys)
+        if known is None:
+            return None
+        A, B = X[known], self.table[keys[known]]
+        return float(torch.nn.functional.cosine_similarity(A - A.mean(0), B - B.mean(0), dim=1, eps=1e-12).mean())
+
     def shift(self, X: Tensor, keys: Tensor) -> float | None:
         """|mean residual| / RMS residual of the token vectors against their ids' rows."""
         known = self._seen_rows(X, keys)

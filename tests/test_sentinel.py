@@ -587,6 +587,32 @@ def test_persistent_noise_is_caught_by_the_cumulative_tok_distance(direction):
     assert honest_rejected <= 4
 
 
+def test_tokc_averages_the_per_position_agreement_so_loud_positions_cannot_hide_noise():
+    """A tenth of every batch's positions carry codes six times larger (content); an insider adds
+    norm-kept noise of half a position's RMS to all the *other* positions on every tensor. The
+    pooled agreement (``tok``) is ruled by the loud positions and barely moves; ``tokc`` averages
+    the per-position agreement (``TokenTable.position_agreement``), which counts every position
+    alike, and flags the insider; no honest sender is flagged on it. Averaging the pooled one
+    instead (the code before): 4–7 of the 25 flagged on ``tokc`` over four seeds, 20–22 now."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    g = torch.Generator().manual_seed(9)
+    flagged, honest_rejected = [], []
+    for t, (ids, x) in enumerate(stream(160, seed=42, noise=0.8)):
+        loud = torch.rand(x.shape[:2], generator=g) < 0.1
+        x = x * torch.where(loud, 6.0, 1.0).unsqueeze(-1)
+        sender = "abcm"[t % 4]
+        if sender == "m" and t >= 60:
+            n = x + 0.5 * x.norm(dim=-1, keepdim=True) / math.sqrt(K) * torch.randn(x.shape, generator=g)
+            n = n * (x.norm(dim=-1, keepdim=True) / n.norm(dim=-1, keepdim=True))
+            flagged.append(sen.judge("m", "act", torch.where(loud.unsqueeze(-1), x, n), ids).reason)
+        else:
+            j = sen.judge(sender, "act", x, ids)
+            if t >= 60 and not j.accept:
+                honest_rejected.append(j.reason)
+    assert flagged.count("sentinel:tokc") >= 16, flagged
+    assert len(honest_rejected) <= 2 and "sentinel:tokc" not in honest_rejected, honest_rejected
+
+
 def test_codes_exchanged_within_a_token_on_every_tensor_are_caught_by_the_averaged_ctx():
     """An insider that exchanges codes between positions of the same token on every tensor keeps
     every per-token statistic; its ``ctx`` (how well a position's code agrees with its token
