@@ -36,6 +36,8 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    token vectors of a batch, so a replay under new ids, a shuffle, or noise with the honest
    mean and covariance matches the reference exactly while destroying the content. A third,
    ``tokc`` (``Sentinel._tokc``), averages a sender's ``tok`` over its own last few tensors
+   (per position: 1 − the mean over positions of their cosine with their rows, each centred,
+   ``TokenTable.position_agreement``; the pooled ``tok`` is ruled by a batch's loudest positions)
    and compares it with the median of the other senders' averages (at least two of them),
    counting only the excess beyond ``averaged_mad`` median absolute deviations of those
    averages (honest replicas differ): persistent half-noise that single tensors hide inside the
