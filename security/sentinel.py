@@ -100,7 +100,7 @@ from security.token_table import TokenTable, adjacent_agreement, context_keys, c
 DIRECTIONS = ("act", "grad")
 DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "adj", "adjc", "cum")
 # the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
-AVERAGED = ("tok", "ctx", "adj")  # distances also judged averaged over a sender's own tensors: tokc, ctxc
+AVERAGED = ("tok", "ctx", "adj")  # distances also judged averaged over a sender's own tensors: tokc, ctxc, adjc
 SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx", "adj")
 TABLE = ("tok", "shift", "pos", "ctx", "adj")  # distances to the shared token tables, not to the sender's own reference
 

@@ -308,7 +308,8 @@ class StageWeights:
     ``tensors`` None means the live parameters (GPipe: nothing steps while a microbatch is in
     flight, so nothing needs storing). Otherwise a snapshot shared by every microbatch forwarded
     at this ``version``: memory is one copy of the stage's trainable parameters per optimizer
-    version still in flight (≤ max_inflight copies).
+    version still in flight (≤ max_inflight copies; one more for a version recomputed by
+    ``LookaheadForward.damp`` while its first weights are still in flight).
     """
 
     version: int
