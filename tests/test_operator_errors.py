@@ -325,3 +325,18 @@ def test_stage_that_does_not_fit_in_memory(outcomes):
 def test_missing_manifest_and_bad_stage(outcomes):
     assert "manifest file not found" in check(outcomes, "no_manifest")
     assert "--stage 7: the manifest has 3 stages" in check(outcomes, "stage_range")
+
+
+def test_free_port_hands_out_each_port_once_and_below_the_ephemeral_range():
+    """LocalSwarm gives every node a metrics port chosen before the node binds it: two nodes of
+    one swarm once got the same one, and ports in the kernel's ephemeral range can be taken
+    meanwhile by an outgoing connection's local port (a clean bench run failed on both)."""
+    import socket
+
+    from node.ops.local_swarm import _ephemeral_low
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(p < _ephemeral_low() for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free when handed out

@@ -10,6 +10,7 @@ URL, peer id, ``online``) and ``NAME.err`` (logs) in the swarm's work dir.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -28,10 +29,39 @@ from node.ops.procs import processes, set_parent_death_signal
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback TCP port that is free now, for a node to bind a little later: below the
+    kernel's ephemeral range (outgoing connections take their local ports there, and on a busy
+    loopback one took a node's metrics port before the node bound it) and never one this process
+    handed out before (two nodes of one swarm were given the same port)."""
+    rng = random.Random()
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = rng.randrange(min(10000, low - 1000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no luck below the range: any port the kernel gives
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _HANDED_OUT.add(port)
+    return port
 
 
 def parse_metrics(text: str) -> dict[str, float]:
