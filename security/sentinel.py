@@ -520,14 +520,11 @@ class Sentinel:
             # the few positions with large codes rule it, and noise on the others hides there
             # (``TokenTable.position_agreement``); a single tensor is judged pooled, where an
             # edit of a few positions shows most
-            base = dict(d)
-            if "tok" in d:
-                pa = state.table.position_agreement(tX, tkeys)
-                if pa is not None:
-                    base["tok"] = 1.0 - pa
+            pa = state.table.position_agreement(tX, tkeys) if "tok" in d else None
             for name in AVERAGED:
                 if name in d:
-                    d[name + "c"], averaged[name] = self._tokc(state, sender, name, base[name])
+                    value = 1.0 - pa if name == "tok" and pa is not None else d[name]
+                    d[name + "c"], averaged[name] = self._tokc(state, sender, name, value)
 
         basis, score, worst, over = "warmup", 0.0, None, {}
         if state.accepted >= p.warmup:

@@ -613,6 +613,27 @@ def test_tokc_averages_the_per_position_agreement_so_loud_positions_cannot_hide_
     assert len(honest_rejected) <= 2 and "sentinel:tokc" not in honest_rejected, honest_rejected
 
 
+def insider_run(batch, attack, n, start, watch_from, distance):
+    """Senders a, b, c honest and m an insider that applies ``attack`` from tensor ``start`` on,
+    in turn, on ``batch()`` traffic: (m's verdict reasons, the honest senders' rejection reasons
+    from ``start`` on, {"honest"|"m": ``distance`` of every verdict from ``watch_from`` on})."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    flagged, honest_rejected, seen = [], [], {"honest": [], "m": []}
+    for t in range(n):
+        ids, x = batch()
+        sender = "abcm"[t % 4]
+        if sender == "m" and t >= start:
+            j = sen.judge("m", "act", attack(x, t, ids=ids), ids)
+            flagged.append(j.reason)
+        else:
+            j = sen.judge(sender, "act", x, ids)
+            if t >= start and not j.accept:
+                honest_rejected.append(j.reason)
+        if t >= watch_from:
+            seen["m" if sender == "m" else "honest"].append(j.distances.get(distance, 0.0))
+    return flagged, honest_rejected, seen
+
+
 def test_codes_exchanged_within_a_token_on_every_tensor_are_caught_by_the_averaged_ctx():
     """An insider that exchanges codes between positions of the same token on every tensor keeps
     every per-token statistic; its ``ctx`` (how well a position's code agrees with its token
@@ -620,24 +641,10 @@ def test_codes_exchanged_within_a_token_on_every_tensor_are_caught_by_the_averag
     median of the other senders' averages) it is flagged, while the honest senders are not."""
     # the previous token moves the code too, weakly: honest ctx ≈ 0.74
     _, batch = context_traffic(1234, V=32, B=4, f=0.4, noise=1.2, batch_seed=7)
-
-    sen = Sentinel(SentinelParams(warmup=10))
-    atk = make_attack("ctxswap", seed=3)
-    flagged, honest_rejected, ctxc = [], 0, {"honest": [], "m": []}
-    for t in range(200):
-        ids, x = batch()
-        sender = "abcm"[t % 4]
-        if sender == "m" and t >= 80:
-            j = sen.judge("m", "act", atk(x, t, ids=ids), ids)
-            flagged.append(j.reason)
-        else:
-            j = sen.judge(sender, "act", x, ids)
-            honest_rejected += t >= 80 and not j.accept
-        if t >= 120:
-            ctxc["m" if sender == "m" else "honest"].append(j.distances.get("ctxc", 0.0))
+    flagged, honest_rejected, ctxc = insider_run(batch, make_attack("ctxswap", seed=3), 200, 80, 120, "ctxc")
     assert sum(r in ("sentinel:ctxc", "sentinel:ctx") for r in flagged) >= 27, flagged
     assert "sentinel:ctxc" in flagged
-    assert honest_rejected <= 2
+    assert len(honest_rejected) <= 2
     assert min(ctxc["m"]) > 0.15 and max(ctxc["honest"]) < 0.05, ctxc
 
 
@@ -693,21 +700,7 @@ def test_codes_exchanged_within_a_token_are_caught_by_the_averaged_adjacency():
     previous token) cannot see it; the averaged adjacency (adjc) flags the sender, and no honest
     one. Before adj: the exchange was accepted on every tensor."""
     batch = state_traffic(7, V=16, B=4)
-    sen = Sentinel(SentinelParams(warmup=10))
-    atk = make_attack("ctxswap", seed=3)
-    flagged, honest_rejected, adjc = [], [], {"honest": [], "m": []}
-    for t in range(160):
-        ids, x = batch()
-        sender = "abcm"[t % 4]
-        if sender == "m" and t >= 60:
-            j = sen.judge("m", "act", atk(x, t, ids=ids), ids)
-            flagged.append(j.reason)
-        else:
-            j = sen.judge(sender, "act", x, ids)
-            if t >= 60 and not j.accept:
-                honest_rejected.append(j.reason)
-        if t >= 100:
-            adjc["m" if sender == "m" else "honest"].append(j.distances.get("adjc", 0.0))
+    flagged, honest_rejected, adjc = insider_run(batch, make_attack("ctxswap", seed=3), 160, 60, 100, "adjc")
     assert flagged.count("sentinel:adjc") >= 18, flagged
     # the synthetic stream's marginal flags on the batch statistics, never the adjacency
     assert len(honest_rejected) <= 2 and not {"sentinel:adj", "sentinel:adjc"} & set(honest_rejected), honest_rejected

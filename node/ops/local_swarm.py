@@ -9,6 +9,7 @@ URL, peer id, ``online``) and ``NAME.err`` (logs) in the swarm's work dir.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -32,6 +33,7 @@ _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _HANDED_OUT: set[int] = set()
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -44,10 +46,9 @@ def free_port() -> int:
     kernel's ephemeral range (outgoing connections take their local ports there, and on a busy
     loopback one took a node's metrics port before the node bound it) and never one this process
     handed out before (two nodes of one swarm were given the same port)."""
-    rng = random.Random()
     low = _ephemeral_low()
     for _ in range(200):
-        port = rng.randrange(min(10000, low - 1000), low)
+        port = random.randrange(min(10000, low - 1000), low)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
