@@ -128,6 +128,9 @@ class SentinelParams:
     reject_weight: float = 0.1  # rejected tensors move the references at this fraction of the rate
     shift_horizon: int = 32  # senders heard from in this many tensors vote on a stage-wide shift
     shift_reach: float = 10.0  # during a shift, scores up to this are accepted and followed
+    # a sender whose tensor left the fences counts as out in a shift vote for this many more
+    # tensors of the direction, even if its latest is back inside (``Sentinel._shifted``)
+    shift_memory: int = 4
     pos_c: float = 6.0  # pos (activations): a position is an outlier when its squared residual is > pos_c x the batch median
     ctx_buckets: int = 16384  # context table rows: (previous, current) token pair -> hash % ctx_buckets
     beta_ratio: float = 0.85  # cum: EMA decay of a sender's own fence ratios, per tensor of its own
@@ -164,8 +167,8 @@ class SentinelParams:
             raise ValueError(f"sentinel: averaged_mad must be >= 0, got {self.averaged_mad}")
         if self.own_fence_cap < 1:
             raise ValueError(f"sentinel: own_fence_cap must be >= 1, got {self.own_fence_cap}")
-        if self.replay_window < 0:
-            raise ValueError("sentinel: replay_window must be >= 0")
+        if self.replay_window < 0 or self.shift_memory < 0:
+            raise ValueError("sentinel: replay_window and shift_memory must be >= 0")
         unknown = set(self.off) - set(DISTANCES)
         if unknown:
             raise ValueError(f"sentinel: off names unknown distances {sorted(unknown)}")
@@ -202,6 +205,7 @@ class SenderRecord:
     windows: dict
     last: int = 0  # index in the direction's stream of its latest tensor
     out: bool = False  # its latest tensor was outside the fences
+    out_at: int = -(10**9)  # the direction's clock (``seen``) just after its latest tensor outside the fences
     seen: int = 0
     rejected: int = 0
     averaged: dict = field(default_factory=dict)  # EMA of its tok and ctx distances over all its tensors (tokc, ctxc)
@@ -639,8 +643,19 @@ class Sentinel:
         for tens of steps, and then a ban as soon as a second replica joined). Only voters
         count (``_voters``), so a rejected newcomer cannot trigger it; what a lone attacker gains
         is deviations up to ``shift_reach`` fences, and a lone replica can stall its stage
-        anyway."""
-        horizon = state.seen - self.params.shift_horizon
+        anyway.
+
+        Another voter counts as out if its latest tensor is, or one of its tensors among the
+        direction's last ``shift_memory`` was: a move that reaches two replicas a little apart is a move of the
+        stage whichever showed it first. Counting latest tensors only, the first to move was
+        refused (its partner not yet out), the second was then excused (the first out) and, once
+        accepted, stepped and came back inside, while the first, refused, got no gradient, could
+        not step, and sent its next outputs out again, now with its partner inside: three refusals
+        in 1.3 s and an honest ban in a clean real swarm (docs/SENTINEL.md). What this adds for an
+        attacker is a few tensors after each honest tensor out, as the latest-tensor rule already
+        gave one."""
+        p = self.params
+        horizon = state.seen - p.shift_horizon
         voters = [rec for rec in self._voters(state) if rec.last >= horizon]
         current = state.senders.get(sender) if sender is not None else None
         if current is not None and not any(rec is current for rec in voters):
@@ -648,8 +663,9 @@ class Sentinel:
         # ``sender``'s tensor now being judged is out (the caller asks only then) and counts as
         # its latest: of two replicas that an upstream move reaches one after the other, the
         # second is excused at its first tensor out, not its second. Only beside other voters:
-        # a lone sender still needs two tensors out in a row.
-        active = [True if rec is current and len(voters) >= 2 else rec.out for rec in voters]
+        # a lone sender still needs two tensors out in a row. The others: out lately (``shift_memory``).
+        recent = state.seen - p.shift_memory
+        active = [(len(voters) >= 2 or rec.out) if rec is current else rec.out or rec.out_at > recent for rec in voters]
         if len(active) < 3 and len(active) < len(self._active(state)):
             return False  # some sender is not (yet) a voter: no verdict on a stage-wide shift
         return len(active) >= 1 and sum(active) >= math.ceil(0.8 * len(active))
@@ -714,6 +730,8 @@ class Sentinel:
                 a = (1 - p.beta_tok) * table_weight
                 state.scale_offset = offset if state.scale_offset is None else (1 - a) * state.scale_offset + a * offset
         rec.out = basis in ("reference", "shift") and score > 1.0
+        if rec.out:
+            rec.out_at = state.seen
         if accept and basis != "shift":
             state.accepted += 1
             for name, value in d.items():

@@ -87,7 +87,8 @@ async def test_upstream_stops_routing_to_a_replica_whose_output_is_refused(test_
     net = Net()
     head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
     b1 = make_runtime(m, 1, "b1", net, seed=1)
-    b2 = make_runtime(m, 1, "b2", net, seed=1)
+    # no re-sync after refusals (its own test below): b2's version then shows it never stepped
+    b2 = make_runtime(m, 1, "b2", net, seed=1, resync_after_refusals=0)
     v_tail = ForgettingVerifier(reject={"b2"})
     tail = make_runtime(m, 2, "tail", net, verifier=v_tail)
     rts = [head, b1, b2, tail]
@@ -229,6 +230,72 @@ async def test_a_refused_output_asks_its_own_stage_to_damp_that_version_s_look_a
         await stop_all(rts)
     assert asked["head"] == []
     assert all(0 <= v <= b.version for v in asked["b"])  # the versions b forwarded them on
+
+
+@pytest.mark.asyncio
+async def test_a_replica_whose_outputs_are_refused_twice_in_a_row_resyncs_before_any_ban(test_manifest):
+    """The tail refuses everything b2 sends and never bans it. A refused output brings no gradient,
+    so b2 cannot step its way back; after two refusals in a row it fetches another replica's
+    weights itself, before anyone has banned it, and once per ``resync_every``. b1, whose outputs
+    the tail accepts, never does."""
+    from security import BanList
+
+    m = test_manifest.replace(schedule={"warmup_steps": 2})
+    net = Net()
+    head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
+    b1 = make_runtime(m, 1, "b1", net, seed=1)
+    b2 = make_runtime(m, 1, "b2", net, seed=1, resync_every=600.0)
+    tail = make_runtime(m, 2, "tail", net, verifier=RecordingVerifier(reject={"b2"}))
+    tail.guard.banlist = BanList(flags_to_ban=1000, memory=1000)  # refuses each tensor, never bans
+    refusals = {"b1": 0, "b2": 0}
+    resyncs = {"b1": [], "b2": []}
+    for name, rt in (("b1", b1), ("b2", b2)):
+        counted_refusal = rt.guard.own_output_refused
+
+        def refused(name=name, counted_refusal=counted_refusal):
+            refusals[name] += 1
+            return counted_refusal()
+
+        async def resync(name=name, rt=rt):
+            resyncs[name].append((refusals[name], rt.guard.banned_at, head.router.is_banned(name)))
+            return True
+
+        rt.guard.own_output_refused, rt.guard.resync = refused, resync
+    rts = [head, b1, b2, tail]
+    link(rts)
+    await start_all(rts)
+    drive = asyncio.ensure_future(head.drive())
+    try:
+        assert await wait_for(lambda: refusals["b2"] >= 4, timeout=60)
+    finally:
+        drive.cancel()
+        await stop_all(rts)
+    assert resyncs["b2"][0] == (2, None, False)  # its second refusal, before any ban
+    assert len([r for r in resyncs["b2"] if r[1] is None]) == 1  # once per resync_every
+    assert refusals["b1"] == 0 and resyncs["b1"] == []
+
+
+@pytest.mark.asyncio
+async def test_the_refusals_that_start_a_resync_are_counted_since_an_output_was_last_accepted(test_manifest):
+    rt = make_runtime(test_manifest, 1, "b", Net(), resync_every=0.0)
+    started = []
+
+    async def resync():
+        started.append(True)
+        return True
+
+    rt.guard.resync = resync
+    g = rt.guard
+    assert not g.own_output_refused()
+    g.note_accepted()  # an output of ours got through: the count starts over
+    assert not g.own_output_refused()
+    assert g.own_output_refused()
+    await g.resync_task
+    assert not g.own_output_refused() and g.own_output_refused()
+    await g.resync_task
+    assert len(started) == 2
+    rt.options.resync_after_refusals = 0  # off
+    assert not any(g.own_output_refused() for _ in range(5))
 
 
 @pytest.mark.asyncio

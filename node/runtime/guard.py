@@ -10,7 +10,9 @@ and re-sync while this replica is banned elsewhere.
   a row (its ``skip`` with ``refused: own``) is banned here too, so the stage before a poisoner
   stops sending it work.
 - **Re-sync**: while a neighbour answers ``banned`` to us, this replica keeps fetching another
-  replica's weights, so it does not come back with weights a whole ban old.
+  replica's weights, so it does not come back with weights a whole ban old; and when the next
+  stage refuses ``resync_after_refusals`` of our outputs in a row, it fetches them once before
+  any ban (``own_output_refused``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Guard:
         self.banned_at: float | None = None  # when a neighbour last answered "banned"
         self.last_accepted = 0.0  # when a neighbour last accepted a fwd or a gradient of ours
         self.resync_task: asyncio.Task | None = None
+        self.refused_in_a_row = 0  # our outputs the next stage's verifier refused since one was accepted
+        self.refusal_resync_at = -math.inf  # when ``own_output_refused`` last started a re-sync
         self.stopping = False
         self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
 
@@ -225,6 +229,33 @@ class Guard:
     def note_accepted(self) -> None:
         """A neighbour accepted a fwd or a gradient of ours."""
         self.last_accepted = time.monotonic()
+        self.refused_in_a_row = 0
+
+    def own_output_refused(self) -> bool:
+        """The next stage's verifier refused an output of ours (its answer to our fwd). After
+        ``resync_after_refusals`` in a row, with nothing of ours accepted in between, fetch another
+        replica's weights (at most once per ``resync_every``); True if that started.
+
+        A refused output brings no gradient back, so a replica whose outputs the next stage
+        refuses does not step: nothing it does changes what it sends, and its next outputs are
+        refused too until it is banned. In clean real swarms that was how honest replicas were
+        banned: one of two body replicas, after an averaging round, sent outputs a little out of
+        its own fences (scores 1.03–1.34) for twenty seconds at one version while its partner,
+        accepted, kept stepping; thirteen refusals and a ban (docs/SENTINEL.md). Its partner's
+        weights are what the next stage accepts. A malicious next stage can make an honest replica
+        re-sync once per ``resync_every`` this way; it can already refuse all its work."""
+        self.refused_in_a_row += 1
+        every = self.options.resync_after_refusals
+        now = time.monotonic()
+        if every <= 0 or self.refused_in_a_row < every or self.stopping \
+                or now - self.refusal_resync_at < self.options.resync_every \
+                or (self.resync_task is not None and not self.resync_task.done()):
+            return False
+        self.refused_in_a_row = 0
+        self.refusal_resync_at = now
+        log.info("the next stage refused %d outputs of ours in a row: fetching another replica's weights", every)
+        self.resync_task = self.tasks.spawn(self.resync())
+        return True
 
     def note_banned(self) -> None:
         """A neighbour answered "banned": while nothing of ours is accepted, keep this replica's

@@ -276,15 +276,15 @@ class StageRuntime:
         return got
 
     async def resync_from_replica(self) -> bool:
-        """Catch this replica's weights up with the others' after a ban (``sync_from_replicas``);
-        False when that was not possible."""
+        """Catch this replica's weights up with the others' (``sync_from_replicas``) after a ban, or
+        after the next stage refused its outputs (``Guard``); False when that was not possible."""
         before = self.version
         try:
             got = await self.sync_from_replicas()
         except StateSyncError as e:
-            log.info("re-sync after a ban: %s", e)
+            log.info("re-sync from a replica: %s", e)
             return False
-        log.info("re-synced stage %d weights from %s after a ban (version %d -> %d)", self.index, got.source[-8:],
+        log.info("re-synced stage %d weights from %s (version %d -> %d)", self.index, got.source[-8:],
                  before, got.version)
         return True
 
