@@ -496,41 +496,6 @@ def test_a_replica_jumping_where_no_partner_is_still_rejected(attack):
     b_rejected, a_rejected = _partner_scenario(atk)
     assert b_rejected >= 8 and a_rejected <= 2, (b_rejected, a_rejected)
 
-def _first_mover(shift_memory, b_between):
-    """Two established replicas; a stage-wide move reaches ``a`` first (refused: ``b`` not out
-    yet), then ``b`` (excused: ``a`` is out), which then steps back inside; ``b`` sends
-    ``b_between`` more tensors inside, and ``a``, refused and so unable to step, sends its moved
-    output again. Returns the verdicts of a's second moved tensor and of everything before."""
-    sen = Sentinel(SentinelParams(warmup=10, shift_memory=shift_memory))
-    warm(sen, 40, senders=("a", "b"), seed=9)
-    fresh = iter(stream(100, seed=10))
-
-    def judge(r, f):
-        ids, x = next(fresh)
-        return sen.judge(r, "act", x * f, ids)
-
-    before = [judge(r, 1.0) for r in "abab"] + [judge("a", 1.25), judge("b", 1.2)]
-    before += [judge("b", 1.0) for _ in range(b_between)]
-    return judge("a", 1.25), before
-
-
-def test_the_first_replica_a_stage_wide_move_reaches_is_excused_once_its_partner_moves_too():
-    """The trace of an honest ban in a clean real swarm: of two body replicas that an upstream
-    move reached 0.3 s apart, the first was refused (its partner not yet out), the second
-    excused (the first out), stepped and came back inside; the first, refused, could not step
-    and sent its moved output again, refused again with its partner's latest tensor inside, and
-    was banned. A partner out among the direction's last ``shift_memory`` tensors excuses it;
-    once the memory has passed, the same tensor is refused as before."""
-    again, before = _first_mover(4, 1)
-    assert [v.accept for v in before] == [True] * 4 + [False, True, True]
-    assert before[5].basis == "shift" and before[4].score > 1.5  # a clear refusal, as in the trace
-    assert again.accept and again.basis == "shift"
-    again, _ = _first_mover(0, 1)  # latest tensors only: the rule before
-    assert not again.accept
-    again, before = _first_mover(4, 4)  # the partner's move is four tensors back
-    assert not again.accept and before[5].basis == "shift"
-
-
 def test_a_newcomer_is_judged_against_the_established_replicas():
     """The own-history reference is for established voters only: a newcomer beside two honest
     replicas is judged against them, so it cannot join with scaled or random traffic."""

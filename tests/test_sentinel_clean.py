@@ -45,8 +45,8 @@ def traffic(seed: int, B: int = 8, L: int = 64, vocab: int = 64):
 class Receiver:
     """The tail of a clean swarm: SENTINEL, then the ban list, as the node's guard does."""
 
-    def __init__(self):
-        self.sentinel = Sentinel(SentinelParams(warmup=30))
+    def __init__(self, **params):
+        self.sentinel = Sentinel(SentinelParams(warmup=30, **params))
         self.bans = BanList(flags_to_ban=3, memory=20)
         self.banned: set[str] = set()
 
@@ -104,6 +104,43 @@ def test_the_second_replica_a_stage_wide_move_reaches_is_excused_at_once(factor)
     assert not a[0].accept and a[0].reason == "sentinel:scale"
     assert b[0].accept and (b[0].basis == "shift" or b[0].score <= 1.0)
     assert all(j.accept for j in a[-10:] + b[-10:])  # both followed
+
+
+def first_mover(shift_memory: int, b_inside: int):
+    """The trace of an honest ban in a clean real swarm: two replicas alternate; a move reaches
+    a first (rejected: b's latest tensor is inside), then b (excused: a is out); b, accepted,
+    steps and sends ``b_inside`` tensors back inside; a, refused, gets no gradient, cannot step,
+    and sends two more tensors at the same version, moved as before. Returns the receiver and
+    a's, then b's, verdicts after the move."""
+    rx = Receiver(shift_memory=shift_memory)
+    src = traffic(7)
+    t = 0.0
+    for i in range(80):
+        ids, x = next(src)
+        t += 1.0
+        rx.judge("ab"[i % 2], x, ids, i, t)
+    a, b = [], []
+    for r, f in [("a", 1.25), ("b", 1.2)] + [("b", 1.0)] * b_inside + [("a", 1.25), ("a", 1.25)]:
+        ids, x = next(src)
+        t += 0.3
+        (a if r == "a" else b).append(rx.judge(r, x * f, ids, 100 if r == "a" else 200 + len(b), t))
+    return rx, a, b
+
+
+def test_the_first_replica_a_stage_wide_move_reaches_is_excused_once_its_partner_moved_too():
+    """Before, only the partner's latest tensor counted in the shift vote: a's three clear
+    refusals banned it though b had shown the same move (the clean swarm's ban: refusals at
+    scores 1.85, 1.65, 1.59 within 1.3 s). A partner out among the direction's last
+    ``shift_memory`` tensors counts: a's later tensors are excused and it is not banned. The
+    memory is short: four tensors later the same tensor is refused as before."""
+    rx, a, b = first_mover(4, 1)
+    assert not a[0].accept and a[0].score > 1.5 and b[0].basis == "shift"
+    assert [j.accept for j in a[1:]] == [True, True] and {j.basis for j in a[1:]} == {"shift"}
+    assert rx.banned == set()
+    rx, a, _ = first_mover(0, 1)  # the latest tensors only: the rule before
+    assert not any(j.accept for j in a) and rx.banned == {"a"}
+    rx, a, b = first_mover(4, 4)  # the partner's move four tensors back
+    assert b[0].basis == "shift" and not a[1].accept
 
 
 @pytest.mark.parametrize("a_versions", ["steps", "held"])
