@@ -125,7 +125,8 @@ async def test_a_replica_banned_by_the_downstream_rule_alone_is_told_and_resyncs
     net = Net()
     head = make_runtime(m, 0, "head", net, batches=head_batches(m), max_inflight=2)
     b1 = make_runtime(m, 1, "b1", net, seed=1)
-    b2 = make_runtime(m, 1, "b2", net, seed=1, resync_every=0.2)
+    # only the re-sync while banned (the one after refusals is tested on its own below)
+    b2 = make_runtime(m, 1, "b2", net, seed=1, resync_every=0.2, resync_after_refusals=0)
     tail = make_runtime(m, 2, "tail", net, verifier=RecordingVerifier(reject={"b2"}))
     tail.guard.banlist = BanList(flags_to_ban=1000, memory=1000)  # refuses each tensor, never bans
     resyncs = []
