@@ -97,11 +97,21 @@ def compute_stats(Xn: Tensor, log_scale: Tensor, P: Tensor, n_quantiles: int, ma
     return Stats(*(t.detach().float().cpu() for t in out))
 
 
-def _weighted_sign_flip(s: Tensor, r: Tensor) -> float:
+# ``sign``: the weight per component below which a flip is not evidence (robust units squared: both
+# location statistics within ~0.1 of zero). Honest activations' channel means lie 0.4-0.7 from zero
+# (mean |s_i·r_i| 0.26-0.59, 10th-99th percentile, default model); gradients' 0.03-0.25, their
+# weights 0.0007-0.027, so their signs are noise and their sign distance spanned 0-0.97
+# (bench_sentinel's harm part; docs/SENTINEL.md, "False flags in clean swarms").
+SIGN_FLOOR = 0.01
+
+
+def _weighted_sign_flip(s: Tensor, r: Tensor, floor: float = SIGN_FLOOR) -> float:
     """Share of Σ|s_i·r_i| on components whose signs disagree: 0 = same signs, 1 = all flipped.
-    Weighting by |s_i·r_i| keeps components that hover around zero from flipping it."""
+    Weighting by |s_i·r_i| keeps components that hover around zero from flipping it; the share is
+    of at least ``floor`` per component, so when *all* of them hover around zero (gradients'
+    channel means) their flips count in proportion to their size, not as a full flip."""
     w = (s * r).abs()
-    total = float(w.sum())
+    total = max(float(w.sum()), floor * w.numel())
     if total <= 0.0:
         return 0.0
     return float((w * (torch.sign(s) != torch.sign(r)).float()).sum()) / total

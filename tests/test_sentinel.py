@@ -25,6 +25,7 @@ from security.sentinel import (
     projections,
     tukey_fence,
 )
+from security.stats import SIGN_FLOOR
 
 K = 8
 
@@ -79,6 +80,20 @@ def test_distances_on_hand_made_stats():
     assert d["swd"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
     assert d["scale"] == pytest.approx(math.log(3.0))
     assert distances(r, r) == {"l1": 0.0, "l2": 0.0, "sign": 0.0, "swd": 0.0, "scale": 0.0}
+
+
+def test_sign_flips_of_statistics_that_hover_around_zero_are_not_a_full_flip():
+    """Gradients' channel means lie ~0.05 robust units from zero, so their signs are noise, and
+    the share of the weight on flipped components spanned 0-0.97 for honest gradients (isolated
+    false flags in clean swarms). The share is of at least ``SIGN_FLOOR`` per component: all
+    signs flipped at 0.05 is a small distance, at the activations' 0.5 a full flip, as before."""
+    def signed(v, n=4):
+        return stats_of([v] * n, [1.0] * n, [1.0] * n, [v, v, v])
+
+    for size, want in ((0.5, 1.0), (0.05, 0.25), (0.0, 0.0)):
+        assert distances(signed(-size), signed(size))["sign"] == pytest.approx(want), size
+    assert distances(signed(0.05), signed(0.05))["sign"] == 0.0
+    assert SIGN_FLOOR == 0.01
 
 
 def test_normalize_and_stats_on_known_tensor():
