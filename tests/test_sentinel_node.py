@@ -234,11 +234,11 @@ async def test_a_refused_output_asks_its_own_stage_to_damp_that_version_s_look_a
 
 
 @pytest.mark.asyncio
-async def test_a_replica_whose_outputs_are_refused_twice_in_a_row_resyncs_before_any_ban(test_manifest):
-    """The tail refuses everything b2 sends and never bans it. A refused output brings no gradient,
-    so b2 cannot step its way back; after two refusals in a row it fetches another replica's
-    weights itself, before anyone has banned it, and once per ``resync_every``. b1, whose outputs
-    the tail accepts, never does."""
+async def test_a_replica_whose_outputs_are_refused_resyncs_before_any_ban(test_manifest):
+    """The tail refuses everything b2 sends (clearly: score 9) and never bans it. A refused output
+    brings no gradient, so b2 cannot step its way back; at its first clear refusal it fetches
+    another replica's weights itself, before anyone has banned it, and once per ``resync_every``.
+    b1, whose outputs the tail accepts, never does."""
     from security import BanList
 
     m = test_manifest.replace(schedule={"warmup_steps": 2})
@@ -253,9 +253,9 @@ async def test_a_replica_whose_outputs_are_refused_twice_in_a_row_resyncs_before
     for name, rt in (("b1", b1), ("b2", b2)):
         counted_refusal = rt.guard.own_output_refused
 
-        def refused(name=name, counted_refusal=counted_refusal):
+        def refused(score=None, name=name, counted_refusal=counted_refusal):
             refusals[name] += 1
-            return counted_refusal()
+            return counted_refusal(score)
 
         async def resync(name=name, rt=rt):
             resyncs[name].append((refusals[name], rt.guard.banned_at, head.router.is_banned(name)))
@@ -271,14 +271,18 @@ async def test_a_replica_whose_outputs_are_refused_twice_in_a_row_resyncs_before
     finally:
         drive.cancel()
         await stop_all(rts)
-    assert resyncs["b2"][0] == (2, None, False)  # its second refusal, before any ban
+    assert resyncs["b2"][0] == (1, None, False)  # its first refusal, before any ban
     assert len([r for r in resyncs["b2"] if r[1] is None]) == 1  # once per resync_every
     assert refusals["b1"] == 0 and resyncs["b1"] == []
 
 
 @pytest.mark.asyncio
-async def test_the_refusals_that_start_a_resync_are_counted_since_an_output_was_last_accepted(test_manifest):
-    rt = make_runtime(test_manifest, 1, "b", Net(), resync_every=0.0)
+async def test_marginal_refusals_start_a_resync_two_in_a_row_and_a_clear_one_at_once(test_manifest):
+    """Marginal refusals (score under 1 + ``ban_margin``: they count less than a flag toward a
+    ban) start a re-sync at the second in a row, counted since an output of ours last got
+    through; a clear one (or one without a score: a rule's refusal) at once."""
+    m = test_manifest
+    rt = make_runtime(m, 1, "b", Net(), resync_every=0.0)
     started = []
 
     async def resync():
@@ -287,16 +291,19 @@ async def test_the_refusals_that_start_a_resync_are_counted_since_an_output_was_
 
     rt.guard.resync = resync
     g = rt.guard
-    assert not g.own_output_refused()
+    marginal, clear = 1.0 + m.sentinel.ban_margin / 2, 1.0 + m.sentinel.ban_margin
+    assert not g.own_output_refused(marginal)
     g.note_accepted()  # an output of ours got through: the count starts over
-    assert not g.own_output_refused()
-    assert g.own_output_refused()
+    assert not g.own_output_refused(marginal)
+    assert g.own_output_refused(marginal)
     await g.resync_task
-    assert not g.own_output_refused() and g.own_output_refused()
+    assert g.own_output_refused(clear)
     await g.resync_task
-    assert len(started) == 2
+    assert g.own_output_refused(None)
+    await g.resync_task
+    assert len(started) == 3
     rt.options.resync_after_refusals = 0  # off
-    assert not any(g.own_output_refused() for _ in range(5))
+    assert not any(g.own_output_refused(clear) for _ in range(5))
 
 
 @pytest.mark.asyncio

@@ -231,10 +231,12 @@ class Guard:
         self.last_accepted = time.monotonic()
         self.refused_in_a_row = 0
 
-    def own_output_refused(self) -> bool:
-        """The next stage's verifier refused an output of ours (its answer to our fwd). After
-        ``resync_after_refusals`` in a row, with nothing of ours accepted in between, fetch another
-        replica's weights (at most once per ``resync_every``); True if that started.
+    def own_output_refused(self, score: float | None = None) -> bool:
+        """The next stage's verifier refused an output of ours (its answer to our fwd, with the
+        refusing verifier's ``score``). After ``resync_after_refusals`` in a row, with nothing of
+        ours accepted in between, or at once for a clear refusal (one that counts fully toward a
+        ban there, ``refusal_weight_of`` 1: a score of 1 + ``ban_margin`` or more, or none), fetch
+        another replica's weights (at most once per ``resync_every``); True if that started.
 
         A refused output brings no gradient back, so a replica whose outputs the next stage
         refuses does not step: nothing it does changes what it sends, and its next outputs are
@@ -242,18 +244,23 @@ class Guard:
         banned: one of two body replicas, after an averaging round, sent outputs a little out of
         its own fences (scores 1.03–1.34) for twenty seconds at one version while its partner,
         accepted, kept stepping; thirteen refusals and a ban (docs/SENTINEL.md). Its partner's
-        weights are what the next stage accepts. A malicious next stage can make an honest replica
-        re-sync once per ``resync_every`` this way; it can already refuse all its work."""
+        weights are what the next stage accepts. Three clear refusals ban a sender, and the outputs
+        already on their way when the first comes back are refused too (two or three within a
+        second in clean swarms), so a clear one starts the re-sync at once. A malicious next stage
+        can make an honest replica re-sync once per ``resync_every`` this way; it can already
+        refuse all its work."""
         self.refused_in_a_row += 1
         every = self.options.resync_after_refusals
+        clear = refusal_weight_of(score, self.sentinel.ban_margin) >= 1.0
         now = time.monotonic()
-        if every <= 0 or self.refused_in_a_row < every or self.stopping \
+        if every <= 0 or (self.refused_in_a_row < every and not clear) or self.stopping \
                 or now - self.refusal_resync_at < self.options.resync_every \
                 or (self.resync_task is not None and not self.resync_task.done()):
             return False
+        log.info("the next stage refused %d output(s) of ours in a row (the last at score %s): fetching another "
+                 "replica's weights", self.refused_in_a_row, "-" if score is None else f"{score:.2f}")
         self.refused_in_a_row = 0
         self.refusal_resync_at = now
-        log.info("the next stage refused %d outputs of ours in a row: fetching another replica's weights", every)
         self.resync_task = self.tasks.spawn(self.resync())
         return True
 

@@ -200,7 +200,7 @@ class Pipeline:
         if skip is not None:
             if skip.refused == "own" and skip.why == "rejected-downstream":
                 self.trainer.output_refused(ctx.weights)
-                self.guard.own_output_refused()
+                self.guard.own_output_refused(skip.score)
             self.drop(ctx.mb, skip)
 
     # ------------------------------------------------------------------ inbound bwd
