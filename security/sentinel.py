@@ -646,8 +646,8 @@ class Sentinel:
         anyway.
 
         Another voter counts as out if its latest tensor is, or one of its tensors among the
-        direction's last ``shift_memory`` was: a move that reaches two replicas a little apart is a move of the
-        stage whichever showed it first. Counting latest tensors only, the first to move was
+        direction's last ``shift_memory`` was: a move that reaches two replicas a little apart is
+        a move of the stage whichever showed it first. Counting latest tensors only, the first to move was
         refused (its partner not yet out), the second was then excused (the first out) and, once
         accepted, stepped and came back inside, while the first, refused, got no gradient, could
         not step, and sent its next outputs out again, now with its partner inside: three refusals

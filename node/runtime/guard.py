@@ -11,8 +11,8 @@ and re-sync while this replica is banned elsewhere.
   stops sending it work.
 - **Re-sync**: while a neighbour answers ``banned`` to us, this replica keeps fetching another
   replica's weights, so it does not come back with weights a whole ban old; and when the next
-  stage refuses ``resync_after_refusals`` of our outputs in a row, it fetches them once before
-  any ban (``own_output_refused``).
+  stage refuses one of our outputs clearly, or ``resync_after_refusals`` in a row, it fetches
+  them once before any ban (``own_output_refused``).
 """
 
 from __future__ import annotations

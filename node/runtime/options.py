@@ -28,7 +28,8 @@ class RuntimeOptions:
     # our traffic is accepted again, so we do not come back with weights a whole ban old (0: off)
     resync_every: float = 10.0
     # after this many of our outputs in a row refused by the next stage's verifier (nothing of ours
-    # accepted in between): fetch another replica's weights, at most once per ``resync_every`` (0: off)
+    # accepted in between), or one clear refusal: fetch another replica's weights, at most once per
+    # ``resync_every`` (0: off; ``Guard.own_output_refused``)
     resync_after_refusals: int = 2
     verify_state: bool = True  # downloaded weights must agree with another replica's (node.net.state_verify)
     state_ban_seconds: float = 600.0  # ban on a replica whose served weights disagreed with the majority
