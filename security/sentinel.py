@@ -204,12 +204,16 @@ class SenderRecord:
     ema: Stats
     windows: dict
     last: int = 0  # index in the direction's stream of its latest tensor
-    out: bool = False  # its latest tensor was outside the fences
-    out_at: int = -(10**9)  # the direction's clock (``seen``) just after its latest tensor outside the fences
+    out_at: int = -(10**9)  # index in the direction's stream of its latest tensor outside the fences
     seen: int = 0
     rejected: int = 0
     averaged: dict = field(default_factory=dict)  # EMA of its tok and ctx distances over all its tensors (tokc, ctxc)
     ratio_ema: dict | None = None  # EMA of its single-tensor fence ratios, capped at 1 (for cum)
+
+    @property
+    def out(self) -> bool:
+        """Its latest tensor was outside the fences."""
+        return self.out_at == self.last
 
 
 class _Direction:
@@ -647,8 +651,8 @@ class Sentinel:
 
         Another voter counts as out if its latest tensor is, or one of its tensors among the
         direction's last ``shift_memory`` was: a move that reaches two replicas a little apart is
-        a move of the stage whichever showed it first. Counting latest tensors only, the first to move was
-        refused (its partner not yet out), the second was then excused (the first out) and, once
+        a move of the stage whichever showed it first. Counting latest tensors only, the first to
+        move was refused (its partner not yet out), the second was then excused (the first out) and, once
         accepted, stepped and came back inside, while the first, refused, got no gradient, could
         not step, and sent its next outputs out again, now with its partner inside: three refusals
         in 1.3 s and an honest ban in a clean real swarm (docs/SENTINEL.md). What this adds for an
@@ -665,7 +669,13 @@ class Sentinel:
         # second is excused at its first tensor out, not its second. Only beside other voters:
         # a lone sender still needs two tensors out in a row. The others: out lately (``shift_memory``).
         recent = state.seen - p.shift_memory
-        active = [(len(voters) >= 2 or rec.out) if rec is current else rec.out or rec.out_at > recent for rec in voters]
+
+        def out(rec: SenderRecord) -> bool:
+            if rec is current:
+                return len(voters) >= 2 or rec.out
+            return rec.out or rec.out_at >= recent
+
+        active = [out(rec) for rec in voters]
         if len(active) < 3 and len(active) < len(self._active(state)):
             return False  # some sender is not (yet) a voter: no verdict on a stage-wide shift
         return len(active) >= 1 and sum(active) >= math.ceil(0.8 * len(active))
@@ -729,9 +739,8 @@ class Sentinel:
             if offset is not None:  # log scale minus the residual scale (``position_lognorms``)
                 a = (1 - p.beta_tok) * table_weight
                 state.scale_offset = offset if state.scale_offset is None else (1 - a) * state.scale_offset + a * offset
-        rec.out = basis in ("reference", "shift") and score > 1.0
-        if rec.out:
-            rec.out_at = state.seen
+        if basis in ("reference", "shift") and score > 1.0:
+            rec.out_at = rec.last
         if accept and basis != "shift":
             state.accepted += 1
             for name, value in d.items():
