@@ -58,6 +58,9 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
        cum   = max over the single-tensor distances of the sender's averaged fence ratio minus
                the other senders' median (``Sentinel._cum``: a sender riding just inside the
                fences on every tensor)
+       edge  = a CUSUM of the sender's single-tensor score (its largest fence ratio) above the
+               other senders' level, over its accepted tensors (``Sentinel._edge``: the same
+               rider, held near the honest level), fenced at a fixed limit
 4. Verdict. Each distance is divided by its fence, a Tukey fence Q3 + κ·max(IQR, 0.1·median)
    over recent distances of *accepted* tensors (per sender, median over senders: ``Sentinel``;
    with one or two voters a voter's token-table distances also by its own level, capped:
@@ -98,7 +101,7 @@ from security.stats import (  # noqa: F401  (re-exported: the statistics are par
 from security.token_table import TokenTable, adjacent_agreement, context_keys, context_score, context_update
 
 DIRECTIONS = ("act", "grad")
-DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "adj", "adjc", "cum")
+DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "adj", "adjc", "cum", "edge")
 # the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
 AVERAGED = ("tok", "ctx", "adj")  # distances also judged averaged over a sender's own tensors: tokc, ctxc, adjc
 SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx", "adj")
@@ -134,6 +137,13 @@ class SentinelParams:
     pos_c: float = 6.0  # pos (activations): a position is an outlier when its squared residual is > pos_c x the batch median
     ctx_buckets: int = 16384  # context table rows: (previous, current) token pair -> hash % ctx_buckets
     beta_ratio: float = 0.85  # cum: EMA decay of a sender's own fence ratios, per tensor of its own
+    # edge: a sender's single-tensor score above the other voters' level, beyond edge_allow and
+    # at most edge_step per tensor, summed over its accepted tensors (a CUSUM, never below 0),
+    # is fenced at edge_limit (``Sentinel._edge``)
+    edge_allow: float = 0.05
+    edge_step: float = 0.15
+    edge_limit: float = 0.3
+    beta_edge: float = 0.5  # edge: EMA decay of a voter's own single-tensor score (the others' level)
     # distances not judged (ablations: bench_sentinel --harm-off). pos by default: it flagged 6.7%
     # of a lone sender's honest activations in bench_sentinel's detection part (docs/SENTINEL.md)
     off: tuple = ("pos",)
@@ -147,8 +157,11 @@ class SentinelParams:
 
     def __post_init__(self):
         if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1
-                and 0 <= self.beta_cum < 1 and 0 <= self.beta_ratio < 1):
-            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1), beta_cum and beta_ratio in [0, 1)")
+                and 0 <= self.beta_cum < 1 and 0 <= self.beta_ratio < 1 and 0 <= self.beta_edge < 1):
+            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1), "
+                             "beta_cum, beta_ratio and beta_edge in [0, 1)")
+        if self.edge_allow < 0 or self.edge_step <= 0 or self.edge_limit <= 0:
+            raise ValueError("sentinel: edge_allow must be >= 0, edge_step and edge_limit > 0")
         if self.pos_c <= 1:
             raise ValueError(f"sentinel: pos_c must be > 1, got {self.pos_c}")
         if self.warmup < 2:
@@ -209,6 +222,8 @@ class SenderRecord:
     rejected: int = 0
     averaged: dict = field(default_factory=dict)  # EMA of its tok and ctx distances over all its tensors (tokc, ctxc)
     ratio_ema: dict | None = None  # EMA of its single-tensor fence ratios, capped at 1 (for cum)
+    score_ema: float | None = None  # EMA of its single-tensor score, capped at 1 (the others' level for edge)
+    edge: float = 0.0  # its edge sum
 
     @property
     def out(self) -> bool:
@@ -387,6 +402,9 @@ class Sentinel:
         active = [rec for rec in self._active(state)]
         out = {}
         for name in DISTANCES:
+            if name == "edge":  # a sum with its own fixed limit (``_edge``), not a distance with a spread
+                out[name] = p.edge_limit
+                continue
             floor = SPREAD_FLOOR.get(name, 0.0)
             own = [tukey_fence(rec.windows[name], p.kappa, p.iqr_floor, floor) for rec in active
                    if len(rec.windows[name]) >= p.sender_min]
@@ -499,7 +517,7 @@ class Sentinel:
         norms = X.norm(dim=1)
         Xn, log_scale = normalize(X, direction == "grad", p.clip, norms)
         s = compute_stats(Xn, log_scale, self._projections(k, Xn.device), p.n_quantiles, p.max_tokens, self._gen)
-        tX = tkeys = tnorms = residual = ratio_ema = None
+        tX = tkeys = tnorms = residual = ratio_ema = edge_next = None
         raw_scale = float(s.scale)
         if ids is not None:
             tX, tkeys = TokenTable.keys(Xn.view(x.shape), ids, direction, p.token_buckets)
@@ -541,6 +559,9 @@ class Sentinel:
             cum, ratio_ema = self._cum(state, sender, d, fences)
             if cum is not None:
                 d["cum"] = cum
+            edge, edge_next = self._edge(state, sender, d, fences)
+            if edge is not None:
+                d["edge"] = edge
             for name in p.off:
                 d.pop(name, None)
             score, worst = self._score(d, fences)
@@ -562,6 +583,12 @@ class Sentinel:
                         None if residual is None else raw_scale - residual)
             if ratio_ema is not None:
                 state.senders[sender].ratio_ema = ratio_ema
+            if edge_next is not None:
+                rec = state.senders[sender]
+                rec.score_ema, total = edge_next
+                if total is not None and accept and basis != "shift":
+                    # a dropped tensor does no harm; a stage-wide move lifts every sender's score
+                    rec.edge = total
             if cX is not None and accept:
                 table_weight = p.reject_weight if basis == "shift" else 1.0
                 if state.ctx is None or state.ctx.k != k:
@@ -603,6 +630,48 @@ class Sentinel:
         if len(others) < 2:
             return None, ema
         return cum, ema
+
+    def _edge(self, state: _Direction, sender: str, d: dict[str, float],
+              fences: dict[str, float]) -> tuple[float | None, tuple[float, float | None] | None]:
+        """(edge, (the sender's updated score EMA, its updated sum or None)). The tensor's
+        single-tensor score (its largest fence ratio over ``SINGLE``, capped at 1) minus the
+        other voters' level (the median of their score EMAs, ``beta_edge``) minus ``edge_allow``,
+        at most ``edge_step``, added to the sender's sum, which never drops below 0 (a CUSUM
+        test); edge is that sum, fenced at ``edge_limit``.
+
+        An attacker that knows the fences sends, on every tensor, the most harmful edit that
+        stays just inside them (the white-box rider): its score sits at its chosen margin (0.9)
+        on every tensor, while honest tensors score 0.55-0.8 and vary (bench_sentinel's harm
+        part), so no single tensor tells it apart and the sum does within three or four. Against
+        the sum the rider can only keep its score near the honest level on average, and its
+        harm grows with how far above its own honest tensor's score it may go (about
+        sqrt(m^2 - s0^2) for a margin m: docs/SENTINEL.md, "Harm"). It is the score and not
+        each distance's ratio that is summed because the distance the rider binds on changes
+        from tensor to tensor (tok, ctx, adj, swd...): per-distance sums in each ratio's own
+        spread either never bound it or, with a lagging level, flagged honest senders while
+        training raised their ratios (docs/experiments/2026-12-07-sentinel-edge.md). The
+        level is the other voters' *fast* average, so a rise every sender shares moves it
+        within a tensor or two; ``edge_step`` keeps one honest outlier from filling the sum.
+
+        Only accepted tensors add to the sum (a dropped tensor does no harm, and an honest
+        sender refused for another reason must not pile up a debt), and shift-accepted ones
+        do not (a stage-wide move lifts every sender's score). Only against at least two other
+        voters, like ``tokc`` and ``cum``: of two replicas neither is the odd one."""
+        p = self.params
+        rec = state.senders.get(sender)
+        ratios = [d[n] / fences[n] if math.isfinite(d[n]) else math.inf for n in SINGLE
+                  if n in d and n not in p.off and 0 < fences.get(n, math.inf) < math.inf]
+        if not ratios:
+            return None, None
+        single = min(1.0, max(ratios))
+        prev = rec.score_ema if rec is not None and rec.score_ema is not None else None
+        ema = single if prev is None else p.beta_edge * prev + (1 - p.beta_edge) * single
+        others = [r.score_ema for r in self._voters(state) if r.score_ema is not None and r is not rec]
+        if len(others) < 2:
+            return None, (ema, None)
+        step = min(single - statistics.median(others) - p.edge_allow, p.edge_step)
+        total = max(0.0, (rec.edge if rec is not None else 0.0) + step)
+        return total, (ema, total)
 
     def _tokc(self, state: _Direction, sender: str, name: str, value: float) -> tuple[float, float]:
         """(tokc, the sender's updated tok EMA) for ``name`` = "tok"; the same for "ctx"

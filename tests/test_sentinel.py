@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from security import ADAPTIVE_FAMILIES, ATTACKS, make_attack
 from security.token_table import adjacent_agreement, context_agreement, context_keys, context_score, context_update
 from security.sentinel import (
     DISTANCES,
+    SINGLE,
     Sentinel,
     SentinelParams,
     Stats,
@@ -582,7 +584,7 @@ def test_persistent_noise_is_caught_by_the_cumulative_tok_distance(direction):
     token's norm, stays inside the single-tensor fences (before tokc: 29-30 of 30 accepted); its
     tok distance averaged over its own tensors (tokc, against the median of the other senders'
     averages) adds up and is flagged, while the honest senders are not."""
-    sen = Sentinel(SentinelParams(warmup=10))
+    sen = Sentinel(SentinelParams(warmup=10, off=("pos", "edge")))  # tokc alone
     warm(sen, 60, direction=direction, senders=("a", "b", "c", "m"), seed=31, noise=1.5)
     g = torch.Generator().manual_seed(5)
 
@@ -609,7 +611,7 @@ def test_tokc_averages_the_per_position_agreement_so_loud_positions_cannot_hide_
     the per-position agreement (``TokenTable.position_agreement``), which counts every position
     alike, and flags the insider; no honest sender is flagged on it. Averaging the pooled one
     instead (the code before): 4–7 of the 25 flagged on ``tokc`` over four seeds, 20–22 now."""
-    sen = Sentinel(SentinelParams(warmup=10))
+    sen = Sentinel(SentinelParams(warmup=10, off=("pos", "edge")))  # tokc alone
     g = torch.Generator().manual_seed(9)
     flagged, honest_rejected = [], []
     for t, (ids, x) in enumerate(stream(160, seed=42, noise=0.8)):
@@ -834,14 +836,15 @@ def test_a_sender_riding_just_inside_the_fences_is_caught_by_cum():
     """A white-box insider that reads the fences and scales every tensor up as far as every
     single-tensor check allows (score <= 0.9, by bisection) passes them all; its fence ratio
     averaged over its own tensors sits near 0.9 while the honest senders' averages sit far
-    lower, so ``cum`` flags it after a few tensors, and no honest sender."""
-    sen = Sentinel(SentinelParams(warmup=10))
+    lower, so ``cum`` flags it after a few tensors, and no honest sender (``edge`` off: it
+    flags the same rider sooner, ``test_edge_flags_a_rider_within_a_few_tensors``)."""
+    sen = Sentinel(SentinelParams(warmup=10, off=("pos", "edge")))
     warm(sen, 60, senders=("a", "b", "c", "m"), seed=41)
 
     def single_score(t, ids):  # the verdict without cum and without learning
         j = sen.judge("m", "act", t, ids, commit=False)
         f = sen.fences("act")
-        return max(v / f[k] for k, v in j.distances.items() if k != "cum")
+        return max(v / f[k] for k, v in j.distances.items() if k not in ("cum", "edge"))
 
     single, reasons, honest_rejected = [], [], 0
     for t, (ids, x) in enumerate(stream(80, seed=42)):
@@ -860,3 +863,109 @@ def test_a_sender_riding_just_inside_the_fences_is_caught_by_cum():
     assert reasons[:2] == [None, None]  # it takes a few tensors to add up ...
     assert reasons[5:].count("sentinel:cum") >= 13, reasons  # ... then it is flagged (of 15)
     assert honest_rejected <= 2
+
+
+def _ride(sen, sender, x, ids, skip=("cum", "edge"), margin=0.9, hi=0.2):
+    """The largest log-scale lift of ``x`` whose verdict score, without the distances in
+    ``skip`` and without learning, stays <= ``margin`` (bisection), and the lifted tensor."""
+    def score(t):
+        j = sen.judge(sender, "act", t, ids, commit=False)
+        f = sen.fences("act")
+        return max((v / f[k] for k, v in j.distances.items() if k not in skip), default=0.0)
+
+    lo = 0.0
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if score(x * math.exp(mid)) <= margin else (lo, mid)
+    return lo, x * math.exp(lo)
+
+
+def test_edge_flags_a_rider_within_a_few_tensors():
+    """The rider of ``test_a_sender_riding_just_inside_the_fences_is_caught_by_cum`` (every
+    tensor scaled up to 0.9 of the tightest single-tensor fence), ``cum`` off: its score sits
+    near 0.9 on every tensor, far above the honest senders' level, so the edge sum passes its
+    limit within a few tensors (each adds at most ``edge_step``) and it stays flagged; no
+    honest tensor is."""
+    p = SentinelParams(warmup=10, off=("pos", "cum"))
+    sen = Sentinel(p)
+    warm(sen, 60, senders=("a", "b", "c", "m"), seed=41)
+    reasons, honest = [], []
+    for t, (ids, x) in enumerate(stream(80, seed=42)):
+        sender = "abcm"[t % 4]
+        if sender != "m":
+            honest.append(sen.judge(sender, "act", x, ids).reason)
+            continue
+        _, ride = _ride(sen, "m", x, ids)
+        reasons.append(sen.judge("m", "act", ride, ids).reason)
+    first = reasons.index("sentinel:edge")
+    assert math.ceil(p.edge_limit / p.edge_step) <= first + 1 <= 6, reasons  # not one tensor: a few
+    assert reasons[first:].count("sentinel:edge") >= len(reasons[first:]) - 1, reasons
+    assert "sentinel:edge" not in honest and sum(r is not None for r in honest) <= 2, honest
+
+
+def test_a_rider_that_obeys_edge_is_held_near_the_honest_level():
+    """A rider that asks the full verdict (edge included) sends only what passes, and what passes
+    is bounded: once its sum is full, its single-tensor score averages within ``edge_allow``
+    (and the noise of the level) of the honest senders' instead of 0.9, and it lifts less than
+    the single-tensor fences alone allow it (here little less: in this synthetic stream the
+    honest score is set by the token-table distances, about 0.77, not by ``scale``, which the
+    lift moves). It is refused only where even its unedited tensor does not pass."""
+    lifts, scores = {}, {}
+    for off in (("pos", "cum", "edge"), ("pos", "cum")):
+        sen = Sentinel(SentinelParams(warmup=10, off=off))
+        warm(sen, 60, senders=("a", "b", "c", "m"), seed=41)
+        mine, single, honest, reasons = [], [], [], []
+        for t, (ids, x) in enumerate(stream(160, seed=42)):
+            sender = "abcm"[t % 4]
+            if sender != "m":
+                honest.append(sen.judge(sender, "act", x, ids).score)
+                continue
+            lo, ride = _ride(sen, "m", x, ids, skip=())
+            mine.append(lo)
+            f = sen.fences("act")
+            j = sen.judge("m", "act", ride, ids)
+            single.append(max(v / f[k] for k, v in j.distances.items() if k in SINGLE and k not in off))
+            reasons.append((j.reason, lo))
+        # refused only where even its unedited tensor does not pass (its sum full, or out anyway)
+        assert all(lo == 0 for reason, lo in reasons if reason), reasons
+        assert sum(reason is not None for reason, _ in reasons) <= 2, reasons
+        lifts[off], scores[off] = statistics.mean(mine[10:]), statistics.mean(single[10:])
+    free, held = ("pos", "cum", "edge"), ("pos", "cum")
+    assert scores[free] > 0.85 and scores[held] < statistics.median(honest) + 0.15, (scores, statistics.median(honest))
+    assert lifts[held] < lifts[free], lifts
+
+
+def test_edge_leaves_honest_senders_alone_and_needs_two_other_voters():
+    """Four honest senders, one a little noisier than the rest (another replica's output
+    differs a little): no edge flag in 300 tensors. A tensor refused for another reason adds
+    nothing to its sender's sum. With two senders there is no edge (of two, neither is the odd
+    one)."""
+    sen = Sentinel(SentinelParams(warmup=10))
+    warm(sen, 40, senders=("a", "b", "c", "d"), seed=51)
+    reasons = []
+    for t, (ids, x) in enumerate(stream(300, seed=52)):
+        sender = "abcd"[t % 4]
+        if sender == "d":
+            x = x + 0.05 * torch.randn(x.shape, generator=torch.Generator().manual_seed(t))
+        j = sen.judge(sender, "act", x, ids)
+        assert "edge" in j.distances
+        reasons.append(j.reason)
+    assert "sentinel:edge" not in reasons and sum(r is not None for r in reasons) <= 3, reasons
+
+    rec = sen._dirs["act"].senders["d"]
+    rec.edge = 0.2
+    for ids, x in stream(3, seed=53):
+        j = sen.judge("d", "act", x * 5, ids)
+        assert not j.accept and j.distances["edge"] > 0.2  # refused on scale; it would have added
+    assert rec.edge == 0.2
+
+    two = Sentinel(SentinelParams(warmup=10))
+    warm(two, 60, senders=("a", "b"), seed=54)
+    for ids, x in stream(20, seed=55):
+        assert "edge" not in two.judge("a", "act", x, ids).distances
+
+
+def test_edge_parameters_are_checked():
+    for bad in (dict(edge_allow=-0.1), dict(edge_step=0), dict(edge_limit=0), dict(beta_edge=1.0)):
+        with pytest.raises(ValueError):
+            SentinelParams(**bad)
