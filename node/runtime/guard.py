@@ -107,8 +107,8 @@ class Guard:
             # stop the pipeline, so a sender whose tensors mostly pass is spared (its flagged tensors
             # are still dropped one by one); one whose tensors mostly fail is banned all the same.
             self.banlist.spare(peer, now)
-            log.warning("%s keeps failing verification (%s) but is the only replica of its stage: not banned; "
-                        "its flagged tensors are dropped", peer[-8:], verdict.reason)
+            log.warning("%s keeps failing verification (%s) but no other replica of its stage is established "
+                        "here: not banned; its flagged tensors are dropped", peer[-8:], verdict.reason)
         elif self.banlist.is_banned(peer, now) and peer not in self.router.banned():
             self._ban(peer, now, "verifier", f"its {direction} tensors keep failing verification ({verdict.reason})")
         return verdict
