@@ -80,8 +80,7 @@ import hashlib
 import math
 import statistics
 import threading
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
 from torch import Tensor
@@ -98,153 +97,18 @@ from security.stats import (  # noqa: F401  (re-exported: the statistics are par
     projections,
     tukey_fence,
 )
+from security.sentinel_state import (  # noqa: F401  (re-exported: part of SENTINEL's face)
+    AVERAGED,
+    DIRECTIONS,
+    DISTANCES,
+    SINGLE,
+    TABLE,
+    DirectionState,
+    Judgement,
+    SenderRecord,
+    SentinelParams,
+)
 from security.token_table import TokenTable, adjacent_agreement, context_keys, context_score, context_update
-
-DIRECTIONS = ("act", "grad")
-DISTANCES = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "tokc", "pos", "ctx", "ctxc", "adj", "adjc", "cum", "edge")
-# the distances of one tensor on its own (``cum`` averages their fence ratios over a sender's tensors)
-AVERAGED = ("tok", "ctx", "adj")  # distances also judged averaged over a sender's own tensors: tokc, ctxc, adjc
-SINGLE = ("l1", "l2", "sign", "swd", "scale", "tok", "shift", "pos", "ctx", "adj")
-TABLE = ("tok", "shift", "pos", "ctx", "adj")  # distances to the shared token tables, not to the sender's own reference
-
-
-@dataclass(frozen=True)
-class SentinelParams:
-    """Tuning of the detector. The first six mirror ``[sentinel]`` of the run manifest."""
-
-    beta_act: float = 0.9  # EMA decay of the activation reference (paper: 0.9)
-    beta_grad: float = 0.8  # ... of the gradient reference (paper: 0.8)
-    n_projections: int = 16  # random projections for the sliced Wasserstein distance
-    warmup: int = 10  # tensors of a direction accepted unconditionally to seed references/fences
-    window: int = 64  # a sender is active (votes) if heard from in this many tensors; fallback fence window
-    kappa: float = 3.0  # Tukey fence Q3 + κ·IQR
-    seed: int = 0  # seeds the projections (public: knowing them does not help an attacker)
-    n_quantiles: int = 32  # quantile levels per projection
-    iqr_floor: float = 0.1  # the IQR used is at least this fraction of the window median
-    clip: float = 3.0  # normalised values are clipped to ±clip robust units
-    beta_tok: float = 0.9  # EMA decay of a token-table row (per batch the token occurs in)
-    beta_cum: float = 0.7  # tokc: EMA decay of a sender's own tok distance, per tensor of its own
-    averaged_mad: float = 2.0  # tokc, ctxc: only the excess beyond this many MADs of the other voters' averages
-    token_buckets: int = 4096  # table rows; token id -> id % token_buckets
-    max_tokens: int = 8192  # tokens sorted for quantiles (a fresh random subset beyond this)
-    replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks
-    reject_weight: float = 0.1  # rejected tensors move the references at this fraction of the rate
-    shift_horizon: int = 32  # senders heard from in this many tensors vote on a stage-wide shift
-    shift_reach: float = 10.0  # during a shift, scores up to this are accepted and followed
-    # a sender whose tensor left the fences counts as out in a shift vote for this many more
-    # tensors of the direction, even if its latest is back inside (``Sentinel._shifted``)
-    shift_memory: int = 4
-    pos_c: float = 6.0  # pos (activations): a position is an outlier when its squared residual is > pos_c x the batch median
-    ctx_buckets: int = 16384  # context table rows: (previous, current) token pair -> hash % ctx_buckets
-    beta_ratio: float = 0.85  # cum: EMA decay of a sender's own fence ratios, per tensor of its own
-    # edge: a sender's single-tensor score above the other voters' level, beyond edge_allow and
-    # at most edge_step per tensor, summed over its accepted tensors (a CUSUM, never below 0),
-    # is fenced at edge_limit (``Sentinel._edge``)
-    edge_allow: float = 0.05
-    edge_step: float = 0.15
-    edge_limit: float = 0.3
-    beta_edge: float = 0.5  # edge: EMA decay of a voter's own single-tensor score (the others' level)
-    # distances not judged (ablations: bench_sentinel --harm-off). pos by default: it flagged 6.7%
-    # of a lone sender's honest activations in bench_sentinel's detection part (docs/SENTINEL.md)
-    off: tuple = ("pos",)
-    sender_window: int = 12  # a sender's own recent accepted distances (its fence)
-    sender_min: int = 5  # ... counted once it holds this many
-    max_senders: int = 1024  # per-sender records kept (least recently seen dropped)
-    min_window: int = 8  # a distance counts once its window holds this many values
-    # with one or two voters: a voter's token-table distances are fenced by its own accepted ones,
-    # up to this many times the direction's fence (``Sentinel._own_table_fences``)
-    own_fence_cap: float = 1.5
-
-    def __post_init__(self):
-        if not (0 < self.beta_act < 1 and 0 < self.beta_grad < 1 and 0 < self.beta_tok < 1
-                and 0 <= self.beta_cum < 1 and 0 <= self.beta_ratio < 1 and 0 <= self.beta_edge < 1):
-            raise ValueError("sentinel: beta_act, beta_grad, beta_tok must be in (0, 1), "
-                             "beta_cum, beta_ratio and beta_edge in [0, 1)")
-        if self.edge_allow < 0 or self.edge_step <= 0 or self.edge_limit <= 0:
-            raise ValueError("sentinel: edge_allow must be >= 0, edge_step and edge_limit > 0")
-        if self.pos_c <= 1:
-            raise ValueError(f"sentinel: pos_c must be > 1, got {self.pos_c}")
-        if self.warmup < 2:
-            raise ValueError(f"sentinel: warmup must be >= 2 (a fence needs distances), got {self.warmup}")
-        if self.window < 4:
-            raise ValueError(f"sentinel: window must be >= 4, got {self.window}")
-        if self.kappa <= 0 or self.iqr_floor < 0 or self.clip <= 0 or self.shift_reach < 1:
-            raise ValueError("sentinel: kappa and clip must be > 0, iqr_floor >= 0, shift_reach >= 1")
-        for name in ("n_projections", "n_quantiles", "token_buckets", "ctx_buckets", "max_tokens", "max_senders", "min_window",
-                     "shift_horizon", "sender_window", "sender_min"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"sentinel: {name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.reject_weight <= 1:
-            raise ValueError(f"sentinel: reject_weight must be in [0, 1], got {self.reject_weight}")
-        if self.averaged_mad < 0:
-            raise ValueError(f"sentinel: averaged_mad must be >= 0, got {self.averaged_mad}")
-        if self.own_fence_cap < 1:
-            raise ValueError(f"sentinel: own_fence_cap must be >= 1, got {self.own_fence_cap}")
-        if self.replay_window < 0 or self.shift_memory < 0:
-            raise ValueError("sentinel: replay_window and shift_memory must be >= 0")
-        unknown = set(self.off) - set(DISTANCES)
-        if unknown:
-            raise ValueError(f"sentinel: off names unknown distances {sorted(unknown)}")
-
-    def beta(self, direction: str) -> float:
-        return self.beta_act if direction == "act" else self.beta_grad
-
-
-# ----------------------------------------------------------------------------- the detector
-
-
-@dataclass(frozen=True)
-class Judgement:
-    """What ``Sentinel.judge`` decided. ``basis``: warmup | reference | partner | shift | replay |
-    retransmit (``partner``: over its own reference's fences but within a partner replica's,
-    ``Sentinel._partners``). ``over``: every distance over its fence, name -> distance/fence,
-    largest first (``reason`` names the first): a tensor is often out on several, and the worst
-    alone hides what else caught it."""
-
-    accept: bool
-    reason: str | None
-    score: float
-    distances: dict[str, float]
-    basis: str
-    over: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class SenderRecord:
-    """Per (sender, direction): the EMA of the Stats of what it sends (the paper's per-sender
-    momentum), the windows of its accepted distances, and counts."""
-
-    ema: Stats
-    windows: dict
-    last: int = 0  # index in the direction's stream of its latest tensor
-    out_at: int = -(10**9)  # index in the direction's stream of its latest tensor outside the fences
-    seen: int = 0
-    rejected: int = 0
-    averaged: dict = field(default_factory=dict)  # EMA of its tok and ctx distances over all its tensors (tokc, ctxc)
-    ratio_ema: dict | None = None  # EMA of its single-tensor fence ratios, capped at 1 (for cum)
-    score_ema: float | None = None  # EMA of its single-tensor score, capped at 1 (the others' level for edge)
-    edge: float = 0.0  # its edge sum
-
-    @property
-    def out(self) -> bool:
-        """Its latest tensor was outside the fences."""
-        return self.out_at == self.last
-
-
-class _Direction:
-    def __init__(self, params: SentinelParams):
-        self.table: TokenTable | None = None
-        self.ctx: TokenTable | None = None  # rows keyed by (previous, current) token pair
-        # EMA over accepted tensors of their log scale minus their residual scale (``position_lognorms``)
-        self.scale_offset: float | None = None
-        self.windows = {name: deque(maxlen=params.window) for name in DISTANCES}  # all senders
-        self.hashes: OrderedDict[bytes, object] = OrderedDict()
-        self.senders: OrderedDict[str, SenderRecord] = OrderedDict()
-        self.accepted = 0
-        self.seen = 0  # tensors judged (the direction's clock)
-        self.ref: Stats | None = None  # cached reference
-        self.ref_version = -1
-
 
 def payload_digest(x: Tensor) -> bytes:
     """128-bit BLAKE2b of the tensor's bytes (dtype and shape included)."""
@@ -294,7 +158,7 @@ class Sentinel:
 
     def __init__(self, params: SentinelParams | None = None):
         self.params = params or SentinelParams()
-        self._dirs = {d: _Direction(self.params) for d in DIRECTIONS}
+        self._dirs = {d: DirectionState(self.params) for d in DIRECTIONS}
         self._proj: dict[tuple[int, str], Tensor] = {}
         self._gen = torch.Generator().manual_seed(self.params.seed ^ 0x5E17)
         self._lock = threading.Lock()
@@ -305,11 +169,11 @@ class Sentinel:
             self._proj[key] = projections(k, self.params.n_projections, self.params.seed).to(device)
         return self._proj[key]
 
-    def _active(self, state: _Direction) -> list[SenderRecord]:
+    def _active(self, state: DirectionState) -> list[SenderRecord]:
         horizon = state.seen - self.params.window
         return [rec for rec in state.senders.values() if rec.last >= horizon]
 
-    def _voters(self, state: _Direction) -> list[SenderRecord]:
+    def _voters(self, state: DirectionState) -> list[SenderRecord]:
         """The active senders that have had at least ``sender_min`` tensors accepted (all the
         active ones if none has). A newcomer votes in the reference only once it has earned it:
         otherwise a rejected newcomer's first tensor would become a vote at once, and with two
@@ -320,7 +184,7 @@ class Sentinel:
         established = [rec for rec in active if rec.seen - rec.rejected >= self.params.sender_min]
         return established or active
 
-    def _reference(self, state: _Direction, sender: str | None = None) -> Stats | None:
+    def _reference(self, state: DirectionState, sender: str | None = None) -> Stats | None:
         """Coordinate-wise median of the EMAs of the voting senders (``_voters``: active in the
         last ``window`` tensors and established): what the majority of the replicas sends,
         whatever a minority does.
@@ -344,7 +208,7 @@ class Sentinel:
             state.ref_version = state.seen
         return state.ref
 
-    def _partners(self, state: _Direction, sender: str | None) -> list[Stats]:
+    def _partners(self, state: DirectionState, sender: str | None) -> list[Stats]:
         """With fewer than three voters, the EMAs of the *other* voters, for an established voter
         (judged against its own EMA, ``_reference``): its tensor also passes if it is within the
         fences of what a partner replica sends now. Of two honest replicas that a stage-wide move
@@ -357,7 +221,7 @@ class Sentinel:
         return [] if rec is None else [v.ema for v in voters if v is not rec]
 
     @staticmethod
-    def _alone_with(voters: list[SenderRecord], state: _Direction, sender: str | None) -> SenderRecord | None:
+    def _alone_with(voters: list[SenderRecord], state: DirectionState, sender: str | None) -> SenderRecord | None:
         """``sender``'s record if it is one of fewer than three voters (no majority: it is judged
         against its own EMA, with its partner's as the second opinion), else None."""
         if sender is None or len(voters) >= 3:
@@ -393,7 +257,7 @@ class Sentinel:
                 score, worst = (math.inf if not math.isfinite(value) else ratio), name
         return score, worst
 
-    def _fences(self, state: _Direction) -> dict[str, float]:
+    def _fences(self, state: DirectionState) -> dict[str, float]:
         """Per distance: the median over active senders of their own Tukey fences (each over its
         last ``sender_window`` accepted distances), once three senders have enough; before that
         the Tukey fence over the direction's last ``window`` accepted distances."""
@@ -416,7 +280,7 @@ class Sentinel:
                 out[name] = math.inf
         return out
 
-    def _own_table_fences(self, state: _Direction, sender: str | None, fences: dict[str, float]) -> dict[str, float]:
+    def _own_table_fences(self, state: DirectionState, sender: str | None, fences: dict[str, float]) -> dict[str, float]:
         """With one or two voters, an established voter's token-table distances (``TABLE``) are
         fenced by the larger of the direction's fence and the voter's own (Tukey over its last
         ``sender_window`` accepted values), the latter at most ``own_fence_cap`` times the former.
@@ -596,7 +460,7 @@ class Sentinel:
                 context_update(state.table, state.ctx, cX, ctok, cpair, direction, table_weight)
         return verdict
 
-    def _cum(self, state: _Direction, sender: str, d: dict[str, float],
+    def _cum(self, state: DirectionState, sender: str, d: dict[str, float],
              fences: dict[str, float]) -> tuple[float | None, dict | None]:
         """(cum, the sender's updated ratio EMAs). Per single-tensor distance, the sender's fence
         ratio (distance / fence, capped at 1: a rejected tensor is dropped anyway and must not
@@ -631,7 +495,7 @@ class Sentinel:
             return None, ema
         return cum, ema
 
-    def _edge(self, state: _Direction, sender: str, d: dict[str, float],
+    def _edge(self, state: DirectionState, sender: str, d: dict[str, float],
               fences: dict[str, float]) -> tuple[float | None, tuple[float, float | None] | None]:
         """(edge, (the sender's updated score EMA, its updated sum or None)). The tensor's
         single-tensor score (its largest fence ratio over ``SINGLE``, capped at 1) minus the
@@ -664,7 +528,7 @@ class Sentinel:
         if not ratios:
             return None, None
         single = min(1.0, max(ratios))
-        prev = rec.score_ema if rec is not None and rec.score_ema is not None else None
+        prev = rec.score_ema if rec is not None else None
         ema = single if prev is None else p.beta_edge * prev + (1 - p.beta_edge) * single
         others = [r.score_ema for r in self._voters(state) if r.score_ema is not None and r is not rec]
         if len(others) < 2:
@@ -673,7 +537,7 @@ class Sentinel:
         total = max(0.0, (rec.edge if rec is not None else 0.0) + step)
         return total, (ema, total)
 
-    def _tokc(self, state: _Direction, sender: str, name: str, value: float) -> tuple[float, float]:
+    def _tokc(self, state: DirectionState, sender: str, name: str, value: float) -> tuple[float, float]:
         """(tokc, the sender's updated tok EMA) for ``name`` = "tok"; the same for "ctx"
         (``ctxc``: codes exchanged between positions of one token on every tensor lift ``ctx``
         by ~0.35 against an honest per-tensor spread of ~0.08, which a single tensor's fence,
@@ -701,7 +565,7 @@ class Sentinel:
         ema = value if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * value
         return (0.0 if med is None else excess_over(ema, others, p.averaged_mad)), ema
 
-    def _shifted(self, state: _Direction, sender: str | None = None) -> bool:
+    def _shifted(self, state: DirectionState, sender: str | None = None) -> bool:
         """At least 80% of the senders heard from in the last ``shift_horizon`` tensors (and at
         least three) sent their latest tensor outside the fences: more than a malicious minority
         of replicas (up to 37.5%, plus an honest false positive or two) can cause, so the honest
@@ -749,7 +613,7 @@ class Sentinel:
             return False  # some sender is not (yet) a voter: no verdict on a stage-wide shift
         return len(active) >= 1 and sum(active) >= math.ceil(0.8 * len(active))
 
-    def _record(self, state: _Direction, sender: str, s: Stats) -> SenderRecord:
+    def _record(self, state: DirectionState, sender: str, s: Stats) -> SenderRecord:
         rec = state.senders.get(sender)
         if rec is None:
             rec = SenderRecord(ema=s.clone(), windows={
