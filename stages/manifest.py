@@ -204,6 +204,9 @@ class AsyncMeshConfig:
     avg_every: int = 10  # H
     avg_correction: bool = True
     avg_timeout_s: float = 30.0
+    # rounds start on a shared wall clock: slots of this many seconds; a replica joins every slot
+    # that is a multiple of its stride (node/net/averaging.py; docs/ASYNCMESH.md)
+    avg_period_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -591,6 +594,8 @@ def validate_manifest(m: Manifest) -> None:
         raise ManifestError(f"asyncmesh.avg_fraction: must be in (0, 1], got {a.avg_fraction}")
     if a.avg_every <= 0:
         raise ManifestError("asyncmesh.avg_every: must be positive")
+    if not 1.0 <= a.avg_period_s <= 3600.0:
+        raise ManifestError(f"asyncmesh.avg_period_s: must be in [1, 3600] seconds, got {a.avg_period_s}")
     se = m.sentinel
     if not 0 < se.beta_act < 1 or not 0 < se.beta_grad < 1:
         raise ManifestError("sentinel.beta_act / sentinel.beta_grad: must be in (0, 1)")

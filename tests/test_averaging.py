@@ -87,7 +87,7 @@ def test_two_replicas_move_toward_each_other_without_blocking(no_leftover_proces
             shadow_opt=torch.optim.SGD(shadow, lr=lr, momentum=beta),
         )
     kw = dict(prefix="avgtest_stage1_avg", fraction=0.25, every=3, seed=11, correction=True,
-              timeout=15.0, min_matchmaking_time=1.0, request_timeout=0.5)
+              timeout=15.0, min_matchmaking_time=1.0, request_timeout=0.5, period=2.0)
     dht1 = _dht()
     dht2 = _dht([str(m) for m in dht1.get_visible_maddrs()])
     for name, dht in (("a", dht1), ("b", dht2)):
@@ -159,6 +159,61 @@ def test_two_replicas_move_toward_each_other_without_blocking(no_leftover_proces
         dht1.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_three_replicas_at_different_speeds_average_the_same_slices(no_leftover_processes):
+    """Three replicas, one stepping forty times slower than the other two: every applied round is
+    one slot's slice, applied by every member of its group (no slot-number disagreement), the slow
+    one joins fewer slots (a larger stride), and its rounds take all three."""
+    torch.manual_seed(1)
+    kw = dict(prefix="avgtest_stage2_avg", fraction=0.25, every=2, seed=5, correction=False,
+              timeout=10.0, min_matchmaking_time=1.0, request_timeout=0.5, period=1.0)
+    dhts = [_dht()]
+    dhts += [_dht([str(m) for m in dhts[0].get_visible_maddrs()]) for _ in range(2)]
+    step_seconds = {"a": 0.05, "b": 0.05, "slow": 2.2}  # slow: H steps in 4.4 s, a stride of 8 slots
+    reps = {name: dict(params=[torch.randn(30, 20), torch.randn(40)], step=0, next=0.0, applied=[])
+            for name in step_seconds}
+    for (name, r), dht in zip(reps.items(), dhts):
+        r["avg"] = ReplicaAverager(dht, r["params"], **kw)
+    try:
+        for r in reps.values():
+            r["avg"].start()
+        deadline = time.monotonic() + 75
+        while time.monotonic() < deadline and min(len(r["applied"]) for r in reps.values()) < 3:
+            now = time.monotonic()
+            for name, r in reps.items():
+                if now < r["next"]:
+                    continue
+                r["next"], r["step"] = now + step_seconds[name], r["step"] + 1
+                for p in r["params"]:
+                    p.add_(0.001)  # "training"
+                if r["avg"].maybe_average(r["step"]):
+                    st = r["avg"].stats
+                    r["applied"].append((st.last_round, st.last_group_size))
+            time.sleep(0.01)
+        stats = {n: r["avg"].stats for n, r in reps.items()}
+        brief = {n: (r["step"], r["avg"].stride(), r["applied"], {k: v for k, v in vars(stats[n]).items()
+                                                           if k.startswith(("rounds", "skipped"))})
+                 for n, r in reps.items()}
+        assert all(len(r["applied"]) >= 3 for r in reps.values()), brief
+        assert all(st.rounds_mismatched == 0 for st in stats.values()), brief
+        strides = {n: r["avg"].stride() for n, r in reps.items()}
+        assert strides["slow"] == 8 and strides["a"] < 8 and strides["b"] < 8, brief
+        assert all(slot % 8 == 0 for slot, _ in reps["slow"]["applied"]), brief
+        members: dict[int, list[tuple[str, int]]] = {}
+        for name, r in reps.items():
+            for slot, g in r["applied"]:
+                members.setdefault(slot, []).append((name, g))
+        for slot, who in members.items():  # everyone in a group applied that slot, with that group size
+            sizes = {g for _, g in who}
+            assert len(sizes) == 1 and len(who) <= sizes.pop(), (slot, who)
+        assert all(g == 3 for _, g in reps["slow"]["applied"]), brief  # the fast ones are in every slow slot
+    finally:
+        for r in reps.values():
+            r["avg"].close()
+        for d in reversed(dhts):
+            d.shutdown()
+
+
 @pytest.mark.timeout(60)
 def test_lone_replica_skips_and_failed_round_is_dropped(no_leftover_processes):
     params = [torch.randn(64)]
@@ -167,7 +222,7 @@ def test_lone_replica_skips_and_failed_round_is_dropped(no_leftover_processes):
     lone = ReplicaAverager(dht, params, prefix="avgtest_stage0_avg", fraction=0.5, every=2, seed=1,
                            timeout=2.5, min_matchmaking_time=1.0, request_timeout=0.5, peers_fn=lambda: 1)
     hopeful = ReplicaAverager(dht, params, prefix="avgtest_stage9_avg", fraction=0.5, every=2, seed=1,
-                              timeout=2.5, min_matchmaking_time=1.0, request_timeout=0.5)
+                              timeout=2.5, min_matchmaking_time=1.0, request_timeout=0.5, period=1.0)
     try:
         lone.start()
         hopeful.start()
@@ -233,18 +288,16 @@ def _finished_round(avg, number, result=None, error=None):
     else:
         rnd.future.set_result(result)
     avg._round = rnd
-    avg._next_round = number + 1
     return rnd
 
 
-def test_round_number_disagreement_resynchronises_and_failures_are_skipped():
+def test_slot_number_disagreement_is_discarded_and_failures_are_skipped():
     params = [torch.arange(8, dtype=torch.float32)]
     ref = params[0].clone()
     avg = ReplicaAverager(None, params, prefix="x_stage0_avg", fraction=0.5, every=100, seed=3, correction=False)
     avg._averager = object()  # stands in for the hivemind process: nothing below talks to it
-    _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 5], [[False], [False]], [0, 0]))
-    assert avg.maybe_average(1) is False
-    assert avg.stats.rounds_mismatched == 1 and avg._next_round == 6  # continue after the largest
+    _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 2 + (1 << 16)], [[False], [False]], [0, 0]))
+    assert avg.maybe_average(1) is False and avg.stats.rounds_mismatched == 1
     assert torch.equal(params[0], ref)  # a mixed-slice "average" is never applied
     _finished_round(avg, 6, error=TimeoutError("no group"))
     assert avg.maybe_average(2) is False and avg.stats.rounds_failed == 1
@@ -279,3 +332,77 @@ def test_rounds_across_morph_epochs_are_discarded():
     rnd.epoch = 4
     assert avg.maybe_average(3) is True and avg.stats.rounds_applied == 1
     assert torch.equal(params[0][rnd.indices[0]], torch.full((4,), 100.0))
+
+
+def _clocked(every=10, period=5.0, min_matchmaking_time=2.0):
+    """A ReplicaAverager on a fake clock whose rounds are only recorded: (local step, slot, time)."""
+    t = [1000.3]
+    avg = ReplicaAverager(None, [torch.zeros(8)], prefix="x_stage0_avg", fraction=0.5, every=every, seed=0,
+                          period=period, min_matchmaking_time=min_matchmaking_time, clock=lambda: t[0])
+    avg._averager = object()  # stands in for the hivemind process: nothing below talks to it
+    begun = []
+    avg._begin = lambda step, number: begun.append((step, number, t[0]))
+    return avg, t, begun
+
+
+def _drive(avg, t, steps, step_seconds, first=1):
+    for step in range(first, first + steps):
+        t[0] += step_seconds
+        avg.maybe_average(step)
+
+
+def test_rounds_join_clock_slots_after_h_steps_with_the_snapshot_just_before_the_slot():
+    avg, t, begun = _clocked(every=10, period=5.0)
+    assert avg.lead == 3.0  # min_matchmaking_time + 1 s
+    _drive(avg, t, 9, 0.1)
+    assert begun == [] and avg.pending_slot is None  # nothing before H local steps
+    _drive(avg, t, 200, 0.1, first=10)
+    slots = [n for _, n, _ in begun]
+    assert avg.stride() == 1 and slots == list(range(slots[0], slots[0] + len(slots)))  # every slot
+    assert slots[0] == 201  # due at t = 1001.3: the first slot that starts 3 s (lead) later or more
+    for _, n, when in begun:  # snapshot one step before lead seconds ahead of the slot's start
+        assert n * 5.0 - 3.0 - 0.1 - 1e-6 <= when < n * 5.0 - 3.0 + 1e-6
+
+
+def test_a_slower_replica_joins_a_subset_of_a_faster_ones_slots():
+    fast, tf, fast_begun = _clocked(every=10, period=5.0)
+    slow, ts, slow_begun = _clocked(every=10, period=5.0)
+    _drive(fast, tf, 1500, 0.1)  # H steps in 1 s: every slot
+    _drive(slow, ts, 125, 1.2)  # H steps in 12 s: every fourth slot (20 s >= 12 s > 10 s)
+    assert fast.stride() == 1 and slow.stride() == 4
+    slow_slots = [n for _, n, _ in slow_begun]
+    assert len(slow_slots) >= 5 and all(n % 4 == 0 for n in slow_slots)
+    assert all(b - a == 4 for a, b in zip(slow_slots, slow_slots[1:]))
+    assert set(slow_slots) <= {n for _, n, _ in fast_begun}
+    steps = [s for s, _, _ in slow_begun]
+    assert all(b - a >= 10 for a, b in zip(steps, steps[1:]))  # never more often than every H steps
+
+
+def test_a_missed_or_busy_slot_is_passed_over():
+    import concurrent.futures
+
+    from node.net.averaging import _Round
+
+    avg, t, begun = _clocked(every=2, period=5.0)
+    _drive(avg, t, 3, 0.1)  # due at step 3 (H = 2 after the first call)
+    target = avg.pending_slot
+    assert target is not None and begun == []
+    t[0] = target * 5.0 - 1.0  # one long step: only 1 s is left before the slot, too late to match
+    avg.maybe_average(4)
+    assert begun == [] and avg.pending_slot is None
+    avg.maybe_average(5)
+    assert avg.pending_slot == target + 1
+    # a round still in flight when the next slot comes: that slot goes without this replica
+    avg._round = _Round(0, 0, [], torch.zeros(0), None, [False], 0.0)
+    avg._round.future = concurrent.futures.Future()
+    t[0] = (target + 1) * 5.0 - 3.05
+    avg.maybe_average(6)
+    assert avg.stats.skipped_busy == 1 and begun == []
+    avg._round = None
+    _drive(avg, t, 100, 0.1, first=7)
+    assert begun and begun[0][1] >= target + 2 and avg.stats.skipped_busy == 1
+
+
+def test_averaging_period_is_checked():
+    with pytest.raises(ValueError, match="period"):
+        ReplicaAverager(None, [torch.zeros(4)], prefix="x_stage0_avg", fraction=0.5, every=1, seed=0, period=0.0)

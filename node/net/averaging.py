@@ -11,11 +11,22 @@ staleness correction on (``asyncmesh.avg_correction``), the optimizer's first mo
 same slice are averaged too, their delta scaled by β^s for a round that took s steps
 (``stages.asyncmesh.StalenessCorrection``; docs/ASYNCMESH.md has the measurement).
 
+Rounds start on the wall clock. Time is cut into *slots* of ``period`` seconds (unix time, the
+same on every replica); a slot's number picks the slice and is the group key of the matchmaking
+(hivemind's group bits), so only replicas joining the same slot ever meet, and they meet at its
+start (hivemind's ``scheduled_time``): any number of replicas average one slice, whatever their
+step rates. After its first H local steps a replica joins every slot that is a multiple of its
+*stride*, the smallest power of two whose span holds H of its steps: it never averages more
+often than every H steps, replicas of one speed join the same slots, and a slower replica's slots
+are a subset of every faster one's. The snapshot is taken just before the slot (``lead`` seconds
+plus one local step ahead), so the averaged values are a few seconds old at most. A replica whose
+clock is off by a second or more falls out of its group: after three failed rounds in a row with
+other replicas online, the averager logs a warning that points at the clock (NTP).
+
 A round that fails or times out is dropped (the next one is H steps later); a replica whose
-``peers_fn`` says it is alone does not even start one. Replicas agree on which slice a round
-averages through hivemind's gather: each sends its round number, and a group whose numbers
-differ throws the result away and continues from the largest number (one wasted round after a
-desynchronisation, never a wrong average). In a morphing run (docs/MORPH.md) each replica also
+``peers_fn`` says it is alone does not even start one. Each replica also sends its slot number in
+hivemind's gather, and a group whose numbers differ throws the result away (never a wrong
+average). In a morphing run (docs/MORPH.md) each replica also
 sends its morph epoch: replicas in different epochs hold their weights in different bases, so a
 group whose epochs differ, or a round during which this replica entered a new epoch, is thrown
 away too (``rounds_epoch_discarded``): averages are taken within one epoch only.
@@ -128,9 +139,13 @@ class ReplicaAverager:
         peers_fn: Callable[[], int] | None = None,
         max_round_bytes: int = 256 << 20,
         epoch_fn: Callable[[], int] | None = None,
+        period: float = 5.0,
+        clock: Callable[[], float] = time.time,
     ):
         if every < 1:
             raise ValueError(f"avg_every must be >= 1, got {every}")
+        if not period > 0:
+            raise ValueError(f"averaging period must be > 0 seconds, got {period}")
         if timeout <= min_matchmaking_time:
             raise ValueError(
                 f"averaging timeout {timeout}s must exceed min_matchmaking_time {min_matchmaking_time}s"
@@ -165,8 +180,17 @@ class ReplicaAverager:
         self._averager = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._round: _Round | None = None
-        self._next_round = 0
         self._next_due: int | None = None
+        # the clock slots (module docstring): a slot is joined `lead` seconds ahead, enough for
+        # hivemind's matchmaking (min_matchmaking_time) and one request round trip
+        self.period, self.clock = float(period), clock
+        self.lead = min_matchmaking_time + 1.0
+        self._target: int | None = None  # the slot this replica will join (due, snapshot not yet taken)
+        self._last_call: float | None = None
+        self._call_seconds = 0.0  # EMA of the time between two maybe_average calls (one local step)
+        self._no_group_streak = 0
+        self._last_slot = -1  # the last slot joined or passed over (the next one comes after it)
+        self._span = 1.0  # EMA: seconds from a slot's start until its round was applied here
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -236,24 +260,64 @@ class ReplicaAverager:
             if [p.shape for p in params] != [p.shape for p in self.params]:
                 raise ValueError("maybe_average: parameter shapes differ from the ones averaging was set up for")
             self.params = params
+        now = self.clock()
+        if self._last_call is not None:
+            dt = max(0.0, now - self._last_call)
+            self._call_seconds = dt if self._call_seconds == 0.0 else 0.7 * self._call_seconds + 0.3 * dt
+        self._last_call = now
         applied = False
         if self._round is not None and self._round.future.done():
             applied = self._finish(local_step)
         if self._next_due is None:
-            self._next_due = local_step + self.every
-        elif local_step >= self._next_due:
-            self._next_due = local_step + self.every
-            if self._round is not None:
-                self.stats.skipped_busy += 1
-            elif self.peers_fn is not None and self.peers_fn() < 2:
+            self._next_due = local_step + self.every  # the first round after H local steps
+        if local_step < self._next_due:
+            return applied
+        if self._target is None:
+            if self.peers_fn is not None and self.peers_fn() < 2:
                 self.stats.skipped_alone += 1
+                self._next_due = local_step + self.every
+                return applied
+            self._target = self.next_slot(now)
+        start = self._target * self.period
+        # take the snapshot now if the next call (one local step away) could come too late
+        if now >= start - self.lead - self._call_seconds:
+            if self._round is not None:  # the last round still runs: this slot goes without us
+                self.stats.skipped_busy += 1
+                self._last_slot, self._target = self._target, None
+            elif start - now < self.lead - 0.5:  # a step took longer than usual: the slot is missed
+                self._last_slot, self._target = self._target, None
             else:
-                self._begin(local_step)
+                number, self._target = self._target, None
+                self._last_slot = number
+                self._begin(local_step, number)
         return applied
 
-    def _begin(self, local_step: int) -> None:
-        number = self._next_round
-        self._next_round += 1
+    def stride(self) -> int:
+        """The slots this replica joins are the multiples of this power of two: the smallest whose
+        span (stride × period) holds H of its local steps and one whole round (``lead``, one step,
+        and the measured time from a slot's start until its round is applied), so a replica never
+        averages more often than every H steps and is never still busy when its next slot comes.
+        Replicas of one speed join the same slots, and a slower replica's slots are a subset of
+        every faster one's: it always meets them."""
+        need = max(self.every * self._call_seconds, self.lead + self._call_seconds + self._span)
+        m = 1
+        while m * self.period < need and m < 1 << 12:
+            m *= 2
+        return m
+
+    def next_slot(self, now: float) -> int:
+        """The first slot this replica can join: a multiple of ``stride()``, after the last slot it
+        joined or skipped, starting at least ``lead`` seconds after ``now``."""
+        m = self.stride()
+        k = max(int(-(-(now + self.lead) // self.period)), self._last_slot + 1)
+        return -(-k // m) * m
+
+    @property
+    def pending_slot(self) -> int | None:
+        """The slot this replica will join once it is near (None: none chosen yet)."""
+        return self._target
+
+    def _begin(self, local_step: int, number: int) -> None:
         indices = self.schedule.indices(number)
         snap = snapshot(self.params, indices)
         moment_snap, mask = None, [False] * len(self.params)
@@ -274,7 +338,13 @@ class ReplicaAverager:
         except Exception as e:  # noqa: BLE001 - any failure of a round only skips it
             self.stats.rounds_failed += 1
             log.info("averaging round %d failed (skipped): %s", rnd.number, str(e).strip()[:200] or type(e).__name__)
+            self._no_group_streak += 1
+            if self._no_group_streak == 3:
+                log.warning("3 averaging rounds in a row failed while other replicas were online; "
+                            "rounds start on the wall clock (%gs slots), so a clock that is off by a second or "
+                            "more keeps a replica apart: check that NTP is on", self.period)
             return False
+        self._no_group_streak = 0
         if self._epoch() != rnd.epoch or any(e != rnd.epoch for e in epochs):
             # weights of different morph epochs are in different bases: never averaged together
             self.stats.rounds_epoch_discarded += 1
@@ -287,9 +357,10 @@ class ReplicaAverager:
         self.stats.bytes_sent += payload
         self.stats.bytes_received += payload
         if any(r != rnd.number for r in rounds):
+            # the slot is the group key, so only a peer whose clock slot differs yet shares the
+            # key (numbers equal modulo the key's 2^16) gets here: never average different slices
             self.stats.rounds_mismatched += 1
-            self._next_round = max(max(rounds), self._next_round - 1) + 1
-            log.info("averaging round numbers disagree %s; resynchronising at %d", sorted(rounds), self._next_round)
+            log.info("averaging slot numbers disagree %s: discarded", sorted(rounds))
             return False
         elapsed = local_step - rnd.start_step
         self.correction.observe(elapsed)
@@ -308,6 +379,7 @@ class ReplicaAverager:
             log.warning("averaging round %d rejected: %s", rnd.number, e)
             return False
         self.stats.rounds_applied += 1
+        self._span = 0.5 * self._span + 0.5 * max(0.0, self.clock() - rnd.number * self.period)
         log.info("averaging round %d applied: group of %d, %d elements, delta norm %.4g, %d local steps after the snapshot",
                  rnd.number, g, n, norm, elapsed)
         self.stats.last_elapsed_steps, self.stats.last_delta_norm = elapsed, norm
@@ -336,8 +408,12 @@ class ReplicaAverager:
             if rnd.moment_snap is not None:
                 buf[m0 : m0 + n].copy_(rnd.moment_snap)
         gather = {"round": rnd.number, "moments": rnd.moment_mask, "epoch": rnd.epoch}
-        rnd.control = averager.step(gather=gather, timeout=self.timeout, wait=False)
-        gathered = rnd.control.result(timeout=2 * self.timeout + 5)
+        # the slot's number is the group key: only replicas joining the same slot meet
+        averager.set_group_bits(format(rnd.number % (1 << 16), "016b"))
+        start = rnd.number * self.period
+        rnd.control = averager.step(gather=gather, scheduled_time=start, timeout=max(0.0, start - self.clock()) + self.timeout,
+                                    wait=False)
+        gathered = rnd.control.result(timeout=max(0.0, start - self.clock()) + 2 * self.timeout + 5)
         if not gathered:
             raise RuntimeError("no group")
         rounds, masks, epochs = [], [], []
