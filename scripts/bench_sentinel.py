@@ -946,6 +946,11 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     out["body_steps"] = [metrics[b.name].get("swarm_node_steps_total") for b in bodies]
     out["averaging_rounds_applied"] = [int(metric_sum(metrics[b.name], "swarm_node_averaging_rounds_total",
                                                       outcome="applied")) for b in bodies]
+    # every averaging outcome per body replica (started, applied, failed, skipped_busy, ...)
+    out["averaging_rounds"] = [{o: int(v) for o in ("started", "applied", "failed", "mismatched", "state_replaced",
+                                                    "skipped_alone", "skipped_busy")
+                                if (v := metric_sum(metrics[b.name], "swarm_node_averaging_rounds_total", outcome=o))}
+                               for b in bodies]
     out["body_step_gap_max"] = gap_max
     out["loss_ema"] = metrics["tail"].get("swarm_node_loss_ema")
     out["settings"] = {"manifest": args.real_manifest, "lookahead_horizon": m.asyncmesh.lookahead_horizon,

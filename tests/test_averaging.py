@@ -406,3 +406,28 @@ def test_a_missed_or_busy_slot_is_passed_over():
 def test_averaging_period_is_checked():
     with pytest.raises(ValueError, match="period"):
         ReplicaAverager(None, [torch.zeros(4)], prefix="x_stage0_avg", fraction=0.5, every=1, seed=0, period=0.0)
+
+
+def test_a_round_over_replaced_weights_is_discarded():
+    """A re-sync replaces the weights while a round runs: its snapshot is of weights that are gone,
+    so the round is thrown away (not applied as a delta onto the new ones), and the next round is
+    due H steps after the new version."""
+    params = [torch.arange(8, dtype=torch.float32)]
+    avg, t, begun = _clocked(every=4)
+    avg.params = params
+    avg.schedule = type(avg.schedule)([p.shape for p in params], 0.5, 3)
+    _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 2], [[False], [False]], [0, 0]))
+    avg._round.start_step = 10
+    params[0].copy_(torch.full((8,), -1.0))  # adopt_state: another replica's weights
+    avg.state_replaced()
+    assert avg.maybe_average(12) is False and avg.stats.rounds_state_replaced == 1
+    assert torch.equal(params[0], torch.full((8,), -1.0))
+    _drive(avg, t, 3, 0.1, first=13)
+    assert avg.pending_slot is None  # the next round: H = 4 steps after the new weights (step 12)
+    _drive(avg, t, 1, 0.1, first=16)
+    assert avg.pending_slot is not None
+    # a round whose snapshot is newer than the version now: the weights went back, replaced too
+    _finished_round(avg, 3, result=(torch.full((4,), 100.0), [3, 3], [[False], [False]], [0, 0]))
+    avg._round.start_step = 20
+    assert avg.maybe_average(17) is False and avg.stats.rounds_state_replaced == 2
+    assert torch.equal(params[0], torch.full((8,), -1.0)) and avg.stats.rounds_applied == 0

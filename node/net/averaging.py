@@ -70,6 +70,7 @@ class AveragingStats:
     rounds_failed: int = 0
     rounds_mismatched: int = 0
     rounds_epoch_discarded: int = 0  # rounds thrown away because they spanned morph epochs
+    rounds_state_replaced: int = 0  # rounds thrown away because this replica adopted other weights meanwhile
     skipped_alone: int = 0
     skipped_busy: int = 0
     bytes_sent: int = 0
@@ -96,6 +97,7 @@ class _Round:
     moment_mask: list[bool]
     started: float
     epoch: int = 0  # this replica's morph epoch at the snapshot
+    replaced: bool = False  # the replica's weights were replaced (re-sync) after the snapshot
     future: concurrent.futures.Future | None = None
     control: object = None  # hivemind StepControl, set by the worker; close() cancels it
 
@@ -292,6 +294,14 @@ class ReplicaAverager:
                 self._begin(local_step, number)
         return applied
 
+    def state_replaced(self) -> None:
+        """The replica took other weights (a re-sync from another replica, a checkpoint): a round
+        in flight averages a snapshot of weights that are gone, so it is discarded when it ends,
+        and the next round comes H local steps after the new weights' version."""
+        if self._round is not None:
+            self._round.replaced = True
+        self._target, self._next_due = None, None
+
     def stride(self) -> int:
         """The slots this replica joins are the multiples of this power of two: the smallest whose
         span (stride × period) holds H of its local steps and one whole round (``lead``, one step,
@@ -345,6 +355,10 @@ class ReplicaAverager:
                             "more keeps a replica apart: check that NTP is on", self.period)
             return False
         self._no_group_streak = 0
+        if rnd.replaced or local_step < rnd.start_step:  # (a version that went back: replaced too)
+            self.stats.rounds_state_replaced += 1
+            log.info("averaging round %d discarded: this replica's weights were replaced while it ran", rnd.number)
+            return False
         if self._epoch() != rnd.epoch or any(e != rnd.epoch for e in epochs):
             # weights of different morph epochs are in different bases: never averaged together
             self.stats.rounds_epoch_discarded += 1

@@ -271,7 +271,7 @@ class _ComputeBusy:
 class _Averaging:
     """Collector for the replica averager (AsyncMesh data axis); empty when averaging is off."""
 
-    OUTCOMES = ("started", "applied", "failed", "mismatched", "epoch_discarded")
+    OUTCOMES = ("started", "applied", "failed", "mismatched", "epoch_discarded", "state_replaced")
     SKIPS = ("skipped_alone", "skipped_busy")
 
     def __init__(self, metrics: NodeMetrics):

@@ -358,6 +358,8 @@ class Trainer:
         with morphing they are in the old basis, so they are cleared, like the master copy)."""
         copy_state(self.stage, tensors)
         self.set_version(version)
+        if self.averager is not None:  # a round in flight averaged the weights just replaced
+            self.averager.state_replaced()
         if self.morph is not None:
             if epoch != self.epoch:
                 self.optimizer.state.clear()
