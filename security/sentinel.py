@@ -470,7 +470,7 @@ class Sentinel:
         An attacker that stays just inside the fences on every tensor (the white-box fence
         rider) sits near 1 on its chosen distance while honest senders average well below; a
         change every honest sender shares moves the median with it. Judged, like ``tokc``,
-        only against at least two other voters (of two replicas neither is the odd one)."""
+        only against at least ``averaged_min_others`` other voters."""
         rec = state.senders.get(sender)
         others = [r.ratio_ema for r in self._voters(state) if r.ratio_ema is not None and r is not rec]
         prev = rec.ratio_ema if rec is not None and rec.ratio_ema is not None else {}
@@ -486,12 +486,12 @@ class Sentinel:
                 continue
             ratio = min(1.0, d[name] / fence)
             vals = [o[name] for o in others if name in o]
-            med = statistics.median(vals) if len(vals) >= 2 else None
+            med = statistics.median(vals) if len(vals) >= self.params.averaged_min_others else None
             start = prev.get(name, med)
             ema[name] = ratio if start is None else b * start + (1 - b) * ratio
             if med is not None:
                 cum = max(cum, ema[name] - med)
-        if len(others) < 2:
+        if len(others) < self.params.averaged_min_others:
             return None, ema
         return cum, ema
 
@@ -519,8 +519,8 @@ class Sentinel:
 
         Only accepted tensors add to the sum (a dropped tensor does no harm, and an honest
         sender refused for another reason must not pile up a debt), and shift-accepted ones
-        do not (a stage-wide move lifts every sender's score). Only against at least two other
-        voters, like ``tokc`` and ``cum``: of two replicas neither is the odd one."""
+        do not (a stage-wide move lifts every sender's score). Only against at least
+        ``averaged_min_others`` other voters, like ``tokc`` and ``cum``."""
         p = self.params
         rec = state.senders.get(sender)
         ratios = [d[n] / fences[n] if math.isfinite(d[n]) else math.inf for n in SINGLE
@@ -531,7 +531,7 @@ class Sentinel:
         prev = rec.score_ema if rec is not None else None
         ema = single if prev is None else p.beta_edge * prev + (1 - p.beta_edge) * single
         others = [r.score_ema for r in self._voters(state) if r.score_ema is not None and r is not rec]
-        if len(others) < 2:
+        if len(others) < p.averaged_min_others:
             return None, (ema, None)
         step = min(single - statistics.median(others) - p.edge_allow, p.edge_step)
         total = max(0.0, (rec.edge if rec is not None else 0.0) + step)
@@ -550,17 +550,21 @@ class Sentinel:
         a drift every honest sender shares moves the median with it, so it is not flagged and
         cannot trip shift mode. A newcomer's average starts from the voters' median.
 
-        Only against at least two other voters: with one, the "median" is that one sender, and
-        of two replicas that differ neither can be told to be the odd one. Two honest replicas
-        always differ (own data, own progress, averaging only a slice), and the one with fewer
-        steps has the higher ``tok`` (the token table follows the busier one's traffic): in
-        clean real swarms of two body replicas, ``tokc`` (1.1–1.7) banned the slower honest one
-        in two of four runs. So with two replicas of a stage it is not judged (as ``_shifted``
-        needs a majority); the single-tensor distances, ``tok`` included, still are."""
+        Only against at least ``averaged_min_others`` (3) other voters. With one, the "median"
+        is that one sender, and of two replicas that differ neither can be told to be the odd
+        one. Two honest replicas always differ (own data, own progress, averaging only a slice),
+        and the one with fewer steps has the higher ``tok`` (the token table follows the busier
+        one's traffic): in clean real swarms of two body replicas, ``tokc`` (1.1–1.7) banned the
+        slower honest one in two of four runs. With two others, their spread is one difference
+        (the MAD of two values is half of it), so a third honest replica that lies further from
+        two that happen to agree is flagged: in clean real swarms of three body replicas these
+        averaged checks made most of the false flags and banned an honest replica
+        (docs/SENTINEL.md). So with two or three replicas of a stage they are not judged; the
+        single-tensor distances, ``tok`` included, still are."""
         p = self.params
         rec = state.senders.get(sender)
         others = [r.averaged[name] for r in self._voters(state) if name in r.averaged and r is not rec]
-        med = statistics.median(others) if len(others) >= 2 else None
+        med = statistics.median(others) if len(others) >= p.averaged_min_others else None
         prev = rec.averaged.get(name, med) if rec is not None else med
         ema = value if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * value
         return (0.0 if med is None else excess_over(ema, others, p.averaged_mad)), ema

@@ -36,6 +36,9 @@ class SentinelParams:
     beta_tok: float = 0.9  # EMA decay of a token-table row (per batch the token occurs in)
     beta_cum: float = 0.7  # tokc: EMA decay of a sender's own tok distance, per tensor of its own
     averaged_mad: float = 2.0  # tokc, ctxc: only the excess beyond this many MADs of the other voters' averages
+    # tokc, ctxc, adjc, cum, edge judge a sender against the other voters only with at least this
+    # many of them: the spread of two is one difference (security/sentinel.py, Sentinel._others_enough)
+    averaged_min_others: int = 3
     token_buckets: int = 4096  # table rows; token id -> id % token_buckets
     max_tokens: int = 8192  # tokens sorted for quantiles (a fresh random subset beyond this)
     replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks
@@ -89,6 +92,9 @@ class SentinelParams:
             raise ValueError(f"sentinel: reject_weight must be in [0, 1], got {self.reject_weight}")
         if self.averaged_mad < 0:
             raise ValueError(f"sentinel: averaged_mad must be >= 0, got {self.averaged_mad}")
+        if self.averaged_min_others < 2:
+            raise ValueError(f"sentinel: averaged_min_others must be >= 2 (of two replicas neither is the odd one), "
+                             f"got {self.averaged_min_others}")
         if self.own_fence_cap < 1:
             raise ValueError(f"sentinel: own_fence_cap must be >= 1, got {self.own_fence_cap}")
         if self.replay_window < 0 or self.shift_memory < 0:

@@ -367,15 +367,18 @@ def test_rounds_join_clock_slots_after_h_steps_with_the_snapshot_just_before_the
 def test_a_slower_replica_joins_a_subset_of_a_faster_ones_slots():
     fast, tf, fast_begun = _clocked(every=10, period=5.0)
     slow, ts, slow_begun = _clocked(every=10, period=5.0)
-    _drive(fast, tf, 1500, 0.1)  # H steps in 1 s: every slot
-    _drive(slow, ts, 125, 1.2)  # H steps in 12 s: every fourth slot (20 s >= 12 s > 10 s)
-    assert fast.stride() == 1 and slow.stride() == 4
+    _drive(fast, tf, 4000, 0.1)  # H steps in 1 s: every slot
+    _drive(slow, ts, 125, 3.0)  # H steps in 30 s, 6 slots: every eighth slot (nearer than every fourth)
+    assert fast.stride() == 1 and slow.stride() == 8
     slow_slots = [n for _, n, _ in slow_begun]
-    assert len(slow_slots) >= 5 and all(n % 4 == 0 for n in slow_slots)
-    assert all(b - a == 4 for a, b in zip(slow_slots, slow_slots[1:]))
+    assert len(slow_slots) >= 5 and all(n % 8 == 0 for n in slow_slots)
+    assert all(b - a == 8 for a, b in zip(slow_slots, slow_slots[1:]))
     assert set(slow_slots) <= {n for _, n, _ in fast_begun}
     steps = [s for s, _, _ in slow_begun]
-    assert all(b - a >= 10 for a, b in zip(steps, steps[1:]))  # never more often than every H steps
+    assert all(12 <= b - a <= 15 for a, b in zip(steps, steps[1:]))  # about H = 10 steps (40 s / 3 s)
+    medium, tm, _ = _clocked(every=10, period=5.0)
+    _drive(medium, tm, 40, 2.0)  # H steps in 20 s, 4 slots: every fourth
+    assert medium.stride() == 4
 
 
 def test_a_missed_or_busy_slot_is_passed_over():

@@ -726,7 +726,7 @@ def test_codes_exchanged_within_a_token_are_caught_by_the_averaged_adjacency():
 
 def test_cumulative_tok_needs_two_other_voters():
     """Of two senders that differ persistently, neither is the odd one: tokc stays 0 for both
-    (with a third sender it flags the noisy one, as above); the single-tensor distances still
+    (with more senders it flags the noisy one, as above); the single-tensor distances still
     judge every tensor."""
     sen = Sentinel(SentinelParams(warmup=10))
     warm(sen, 40, direction="grad", senders=("a", "m"), seed=31, noise=1.5)
@@ -744,6 +744,46 @@ def test_cumulative_tok_needs_two_other_voters():
         reasons.append(j.reason)
     assert set(tokc) == {0.0} and "sentinel:tokc" not in reasons
     assert all(v is not None and v > 0 for v in tok)  # the single-tensor tok is still measured
+
+
+def _three_replicas(min_others: int, rel: float) -> dict[str, list]:
+    """Three senders, the third persistently a little different from two that agree (an honest
+    replica with its own data and progress): every verdict's reason and averaged distances."""
+    sen = Sentinel(SentinelParams(warmup=10, averaged_min_others=min_others))
+    warm(sen, 40, direction="grad", senders=("a", "b", "c"), seed=61, noise=1.5)
+    g = torch.Generator().manual_seed(7)
+    out = {"reasons": [], "tokc": [], "cum": [], "edge": []}
+    for t, (ids, x) in enumerate(stream(90, direction="grad", seed=62, noise=1.5)):
+        sender = "abc"[t % 3]
+        if sender == "c":
+            n = x + rel * x.std() * torch.randn(x.shape, generator=g)
+            x = n * (x.norm(dim=-1, keepdim=True) / n.norm(dim=-1, keepdim=True))
+        j = sen.judge(sender, "grad", x, ids)
+        out["reasons"].append((sender, j.reason))
+        for k in ("tokc", "cum", "edge"):
+            out[k].append(j.distances.get(k))
+    return out
+
+
+def test_averaged_checks_need_three_other_voters():
+    """Three replicas, one a little different from the two others all along: against two others
+    the spread is one difference (a MAD of two is half of it), so tokc/cum flag the third
+    (averaged_min_others = 2, as before); with the default of three, with three replicas the
+    averaged checks are not judged (tokc 0, no cum or edge), and the single-tensor fences still
+    are."""
+    before = _three_replicas(2, 0.5)
+    flagged = [r for s, r in before["reasons"] if s == "c" and r in ("sentinel:tokc", "sentinel:cum", "sentinel:edge")]
+    assert len(flagged) >= 5, before["reasons"]
+    now = _three_replicas(3, 0.5)
+    assert not [r for _, r in now["reasons"] if r in ("sentinel:tokc", "sentinel:cum", "sentinel:edge",
+                                                      "sentinel:ctxc", "sentinel:adjc")], now["reasons"]
+    assert set(now["tokc"]) == {0.0} and set(now["cum"]) == {None} and set(now["edge"]) == {None}
+    assert sum(r is not None for _, r in now["reasons"]) <= 3, now["reasons"]
+    # a sender far off is still refused tensor by tensor
+    loud = _three_replicas(3, 3.0)
+    assert sum(r is not None for s, r in loud["reasons"] if s == "c") >= 20, loud["reasons"]
+    with pytest.raises(ValueError, match="averaged_min_others"):
+        SentinelParams(averaged_min_others=1)
 
 
 def test_replay_is_rejected_and_retransmission_is_not():

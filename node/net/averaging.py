@@ -16,9 +16,9 @@ same on every replica); a slot's number picks the slice and is the group key of 
 (hivemind's group bits), so only replicas joining the same slot ever meet, and they meet at its
 start (hivemind's ``scheduled_time``): any number of replicas average one slice, whatever their
 step rates. After its first H local steps a replica joins every slot that is a multiple of its
-*stride*, the smallest power of two whose span holds H of its steps: it never averages more
-often than every H steps, replicas of one speed join the same slots, and a slower replica's slots
-are a subset of every faster one's. The snapshot is taken just before the slot (``lead`` seconds
+*stride*, the power of two whose span is nearest H of its steps (and holds one whole round): it
+averages about every H steps, replicas of one speed join the same slots, and a slower replica's
+slots are a subset of every faster one's. The snapshot is taken just before the slot (``lead`` seconds
 plus one local step ahead), so the averaged values are a few seconds old at most. A replica whose
 clock is off by a second or more falls out of its group: after three failed rounds in a row with
 other replicas online, the averager logs a warning that points at the clock (NTP).
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import signal
 import threading
 import time
@@ -303,15 +304,18 @@ class ReplicaAverager:
         self._target, self._next_due = None, None
 
     def stride(self) -> int:
-        """The slots this replica joins are the multiples of this power of two: the smallest whose
-        span (stride × period) holds H of its local steps and one whole round (``lead``, one step,
-        and the measured time from a slot's start until its round is applied), so a replica never
-        averages more often than every H steps and is never still busy when its next slot comes.
-        Replicas of one speed join the same slots, and a slower replica's slots are a subset of
-        every faster one's: it always meets them."""
-        need = max(self.every * self._call_seconds, self.lead + self._call_seconds + self._span)
+        """The slots this replica joins are the multiples of this power of two: the one nearest
+        (in ratio) to the span of H of its local steps, so a replica averages about every H steps
+        (between 0.71 and 1.41 times as often), and never less than the smallest whose span holds
+        one whole round (``lead``, one step, and the measured time from a slot's start until its
+        round is applied), so it is never still busy when its next slot comes. Replicas of one
+        speed join the same slots, and a slower replica's slots are a subset of every faster
+        one's: it always meets them."""
         m = 1
-        while m * self.period < need and m < 1 << 12:
+        while m * self.period < self.lead + self._call_seconds + self._span and m < 1 << 12:
+            m *= 2
+        h = self.every * self._call_seconds / self.period  # H steps, in slots
+        while m * math.sqrt(2) < h and m < 1 << 12:
             m *= 2
         return m
 
