@@ -429,9 +429,12 @@ class ReplicaAverager:
         # the slot's number is the group key: only replicas joining the same slot meet
         averager.set_group_bits(format(rnd.number % (1 << 16), "016b"))
         start = rnd.number * self.period
-        rnd.control = averager.step(gather=gather, scheduled_time=start, timeout=max(0.0, start - self.clock()) + self.timeout,
-                                    wait=False)
-        gathered = rnd.control.result(timeout=max(0.0, start - self.clock()) + 2 * self.timeout + 5)
+        # matchmaking ends ``lead`` seconds after the slot's start: the slot's replicas all meet at
+        # its start, nobody joins later, and hivemind would otherwise retry until avg_timeout_s,
+        # holding this replica busy through its next slots (the all-reduce keeps avg_timeout_s)
+        find = max(0.0, start - self.clock()) + self.lead
+        rnd.control = averager.step(gather=gather, scheduled_time=start, timeout=find, wait=False)
+        gathered = rnd.control.result(timeout=find + self.timeout + 5)
         if not gathered:
             raise RuntimeError("no group")
         rounds, masks, epochs = [], [], []
