@@ -99,6 +99,7 @@ class _Round:
     started: float
     epoch: int = 0  # this replica's morph epoch at the snapshot
     replaced: bool = False  # the replica's weights were replaced (re-sync) after the snapshot
+    find_until: float = 0.0  # unix time at which matchmaking gives up (set by _begin)
     future: concurrent.futures.Future | None = None
     control: object = None  # hivemind StepControl, set by the worker; close() cancels it
 
@@ -340,6 +341,11 @@ class ReplicaAverager:
             mask = [m is not None for m in moments]
             moment_snap = snapshot(moments, indices)
         rnd = _Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic(), self._epoch())
+        # matchmaking may retry until just before this replica's next slot (never less than
+        # ``lead`` after the start): a replica of the slot that was not found at its start (a
+        # loaded machine, a lost request) is still met, and the next slot is never missed for it
+        rnd.find_until = number * self.period + max(
+            self.lead, self.stride() * self.period - self.lead - 2 * self._call_seconds - 1.0)
         rnd.future = self._worker.submit(self._run_round, rnd)
         self._round = rnd
         self.stats.rounds_started += 1
@@ -429,10 +435,11 @@ class ReplicaAverager:
         # the slot's number is the group key: only replicas joining the same slot meet
         averager.set_group_bits(format(rnd.number % (1 << 16), "016b"))
         start = rnd.number * self.period
-        # matchmaking ends ``lead`` seconds after the slot's start: the slot's replicas all meet at
-        # its start, nobody joins later, and hivemind would otherwise retry until avg_timeout_s,
-        # holding this replica busy through its next slots (the all-reduce keeps avg_timeout_s)
-        find = max(0.0, start - self.clock()) + self.lead
+        # matchmaking ends at ``find_until`` (before this replica's next slot), not after
+        # avg_timeout_s: retrying that long held a replica that found no group busy through its
+        # next slots, the ones where the others were (the all-reduce keeps avg_timeout_s)
+        now = self.clock()
+        find = max(rnd.find_until, max(start, now) + self.lead) - now  # at least lead after the start
         rnd.control = averager.step(gather=gather, scheduled_time=start, timeout=find, wait=False)
         gathered = rnd.control.result(timeout=find + self.timeout + 5)
         if not gathered:
