@@ -19,9 +19,10 @@ step rates. After its first H local steps a replica joins every slot that is a m
 *stride*, the power of two whose span is nearest H of its steps (and holds one whole round): it
 averages about every H steps, replicas of one speed join the same slots, and a slower replica's
 slots are a subset of every faster one's. The snapshot is taken just before the slot (``lead`` seconds
-plus one local step ahead), so the averaged values are a few seconds old at most. A replica whose
-clock is off by a second or more falls out of its group: after three failed rounds in a row with
-other replicas online, the averager logs a warning that points at the clock (NTP).
+plus one local step ahead), so the averaged values are a few seconds old at most. Replicas' clocks
+must agree well within ``lead``; one whose clock is far off falls out of its group, and after
+three failed rounds in a row with other replicas online the averager logs a warning that points
+at the clock (NTP).
 
 A round that fails or times out is dropped (the next one is H steps later); a replica whose
 ``peers_fn`` says it is alone does not even start one. Each replica also sends its slot number in
@@ -361,8 +362,8 @@ class ReplicaAverager:
             self._no_group_streak += 1
             if self._no_group_streak == 3:
                 log.warning("3 averaging rounds in a row failed while other replicas were online; "
-                            "rounds start on the wall clock (%gs slots), so a clock that is off by a second or "
-                            "more keeps a replica apart: check that NTP is on", self.period)
+                            "rounds start on the wall clock (%gs slots), so a clock that is off keeps a replica "
+                            "apart: check that NTP is on", self.period)
             return False
         self._no_group_streak = 0
         if rnd.replaced or local_step < rnd.start_step:  # (a version that went back: replaced too)
