@@ -724,7 +724,7 @@ def test_codes_exchanged_within_a_token_are_caught_by_the_averaged_adjacency():
     assert min(adjc["m"]) > 0.3 and max(adjc["honest"]) < 0.05, adjc
 
 
-def test_cumulative_tok_needs_two_other_voters():
+def test_cumulative_tok_needs_other_voters():
     """Of two senders that differ persistently, neither is the odd one: tokc stays 0 for both
     (with more senders it flags the noisy one, as above); the single-tensor distances still
     judge every tensor."""
@@ -975,7 +975,7 @@ def test_a_rider_that_obeys_edge_is_held_near_the_honest_level():
     assert lifts[held] < lifts[free], lifts
 
 
-def test_edge_leaves_honest_senders_alone_and_needs_two_other_voters():
+def test_edge_leaves_honest_senders_alone_and_needs_other_voters():
     """Four honest senders, one a little noisier than the rest (another replica's output
     differs a little): no edge flag in 300 tensors. A tensor refused for another reason adds
     nothing to its sender's sum. With two senders there is no edge (of two, neither is the odd
