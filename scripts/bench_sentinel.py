@@ -905,7 +905,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     every rejection is a false positive and every ban a false ban."""
     import tempfile
 
-    from node.ops import LocalSwarm, metric_sum, write_manifest
+    from node.ops import AVERAGING_OUTCOMES, LocalSwarm, metric_sum, write_manifest
 
     m = load_manifest(args.real_manifest)
     if horizon:
@@ -947,8 +947,7 @@ def clean_run(args, horizon: str | None, tag: str = "") -> dict:
     out["averaging_rounds_applied"] = [int(metric_sum(metrics[b.name], "swarm_node_averaging_rounds_total",
                                                       outcome="applied")) for b in bodies]
     # every averaging outcome per body replica (started, applied, failed, skipped_busy, ...)
-    out["averaging_rounds"] = [{o: int(v) for o in ("started", "applied", "failed", "mismatched", "state_replaced",
-                                                    "skipped_alone", "skipped_busy")
+    out["averaging_rounds"] = [{o: int(v) for o in AVERAGING_OUTCOMES
                                 if (v := metric_sum(metrics[b.name], "swarm_node_averaging_rounds_total", outcome=o))}
                                for b in bodies]
     out["body_step_gap_max"] = gap_max

@@ -486,14 +486,20 @@ class Sentinel:
                 continue
             ratio = min(1.0, d[name] / fence)
             vals = [o[name] for o in others if name in o]
-            med = statistics.median(vals) if len(vals) >= self.params.averaged_min_others else None
+            med = statistics.median(vals) if self._others_enough(vals) else None
             start = prev.get(name, med)
             ema[name] = ratio if start is None else b * start + (1 - b) * ratio
             if med is not None:
                 cum = max(cum, ema[name] - med)
-        if len(others) < self.params.averaged_min_others:
+        if not self._others_enough(others):
             return None, ema
         return cum, ema
+
+    def _others_enough(self, others: list) -> bool:
+        """Whether a sender is judged against the other voters' averages (``tokc``, ``ctxc``,
+        ``adjc``, ``cum``, ``edge``): only with at least ``averaged_min_others`` of them (the
+        reason: ``_tokc``)."""
+        return len(others) >= self.params.averaged_min_others
 
     def _edge(self, state: DirectionState, sender: str, d: dict[str, float],
               fences: dict[str, float]) -> tuple[float | None, tuple[float, float | None] | None]:
@@ -531,7 +537,7 @@ class Sentinel:
         prev = rec.score_ema if rec is not None else None
         ema = single if prev is None else p.beta_edge * prev + (1 - p.beta_edge) * single
         others = [r.score_ema for r in self._voters(state) if r.score_ema is not None and r is not rec]
-        if len(others) < p.averaged_min_others:
+        if not self._others_enough(others):
             return None, (ema, None)
         step = min(single - statistics.median(others) - p.edge_allow, p.edge_step)
         total = max(0.0, (rec.edge if rec is not None else 0.0) + step)
@@ -564,7 +570,7 @@ class Sentinel:
         p = self.params
         rec = state.senders.get(sender)
         others = [r.averaged[name] for r in self._voters(state) if name in r.averaged and r is not rec]
-        med = statistics.median(others) if len(others) >= p.averaged_min_others else None
+        med = statistics.median(others) if self._others_enough(others) else None
         prev = rec.averaged.get(name, med) if rec is not None else med
         ema = value if prev is None else p.beta_cum * prev + (1 - p.beta_cum) * value
         return (0.0 if med is None else excess_over(ema, others, p.averaged_mad)), ema

@@ -415,10 +415,8 @@ def test_a_round_over_replaced_weights_is_discarded():
     """A re-sync replaces the weights while a round runs: its snapshot is of weights that are gone,
     so the round is thrown away (not applied as a delta onto the new ones), and the next round is
     due H steps after the new version."""
-    params = [torch.arange(8, dtype=torch.float32)]
     avg, t, begun = _clocked(every=4)
-    avg.params = params
-    avg.schedule = type(avg.schedule)([p.shape for p in params], 0.5, 3)
+    params = avg.params
     _finished_round(avg, 2, result=(torch.full((4,), 100.0), [2, 2], [[False], [False]], [0, 0]))
     avg._round.start_step = 10
     params[0].copy_(torch.full((8,), -1.0))  # adopt_state: another replica's weights

@@ -16,6 +16,7 @@ _EXPORTS = {
     "CheckpointError": "node.ops.checkpoint",
     "CliError": "node.ops.errors",
     "LocalSwarm": "node.ops.local_swarm",
+    "AVERAGING_OUTCOMES": "node.ops.metrics",
     "MetricsServer": "node.ops.metrics",
     "NodeMetrics": "node.ops.metrics",
     "PortInUse": "node.ops.metrics",

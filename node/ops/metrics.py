@@ -268,11 +268,18 @@ class _ComputeBusy:
         yield fam
 
 
+# the ``outcome`` labels of swarm_node_averaging_rounds_total: rounds (AveragingStats.rounds_<o>),
+# then slots skipped (AveragingStats.<o>)
+AVERAGING_ROUNDS = ("started", "applied", "failed", "mismatched", "epoch_discarded", "state_replaced")
+AVERAGING_SKIPS = ("skipped_alone", "skipped_busy")
+AVERAGING_OUTCOMES = AVERAGING_ROUNDS + AVERAGING_SKIPS
+
+
 class _Averaging:
     """Collector for the replica averager (AsyncMesh data axis); empty when averaging is off."""
 
-    OUTCOMES = ("started", "applied", "failed", "mismatched", "epoch_discarded", "state_replaced")
-    SKIPS = ("skipped_alone", "skipped_busy")
+    OUTCOMES = AVERAGING_ROUNDS
+    SKIPS = AVERAGING_SKIPS
 
     def __init__(self, metrics: NodeMetrics):
         self.metrics = metrics
