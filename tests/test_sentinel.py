@@ -767,10 +767,10 @@ def _three_replicas(min_others: int, rel: float) -> dict[str, list]:
 
 def test_averaged_checks_need_three_other_voters():
     """Three replicas, one a little different from the two others all along: against two others
-    the spread is one difference (a MAD of two is half of it), so tokc/cum flag the third
-    (averaged_min_others = 2, as before); with the default of three, with three replicas the
-    averaged checks are not judged (tokc 0, no cum or edge), and the single-tensor fences still
-    are."""
+    the spread is one difference (a MAD of two is half of it), so the averaged checks flag the
+    third (averaged_min_others = 2, as before: here `edge`, 9 of its 30 tensors); with the default
+    of three, with three replicas they are not judged (tokc 0, no cum or edge), and the
+    single-tensor fences still are (a loud third is refused on `shift`, the token-table distance)."""
     before = _three_replicas(2, 0.5)
     flagged = [r for s, r in before["reasons"] if s == "c" and r in ("sentinel:tokc", "sentinel:cum", "sentinel:edge")]
     assert len(flagged) >= 5, before["reasons"]
