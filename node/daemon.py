@@ -332,7 +332,7 @@ class Node:
                 self.dht, [p for _, p in stage.named_parameters()], optimizer=optimizer,
                 prefix=averaging_prefix(self.m.run.id, self.index), fraction=a.avg_fraction, every=a.avg_every,
                 seed=self.m.run.seed + self.index, correction=a.avg_correction, timeout=a.avg_timeout_s,
-                period=a.avg_period_s,
+                period=a.avg_period_s, blend_steps=a.avg_blend_steps,
                 peers_fn=lambda: self.router.count_by_stage(self.m.n_stages)[self.index] + 1,
                 epoch_fn=lambda: self.runtime.trainer.epoch if self.runtime is not None else 0,
             )

@@ -33,7 +33,10 @@ Data axis (R replicas of the whole model, equal tokens):
 - ``sparse``: a rotating p-fraction slice every H steps (PartitionSchedule), the average arriving
   ``avg_latency`` steps after its snapshot and applied as a delta (λ = 1);
 - ``sparse_corrected``: ``avg_correction`` as node/net/averaging.py does it: first moments averaged
-  on the same slice, their delta scaled by β^s (StalenessCorrection);
+  on the same slice, their delta scaled by β^s (StalenessCorrection), and the parameters' delta
+  spread over ``--avg-blend`` local steps (stages.BlendedDelta; 0: the manifest's
+  ``asyncmesh.avg_blend_steps``); ``sparse_at_once`` (``--variants``) is the same with the delta
+  applied at once;
 - ``sparse_avg_gap_rel`` = val(sparse_corrected)/val(full) − 1; ``avg_bytes_ratio`` = all-reduce
   payload bytes of full / sparse_corrected. These val losses are per replica (mean over the
   replicas' own val losses). ``averaging_consensus_*`` / ``sparse_avg_consensus_gap_rel`` are the
@@ -67,6 +70,7 @@ import torch  # noqa: E402
 
 from stages import (  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402
     Batches,
+    BlendedDelta,
     LookaheadForward,
     ManifestError,
     PartitionSchedule,
@@ -128,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--avg-fraction", type=float, default=0.05, help="p")
     p.add_argument("--avg-every", type=int, default=10, help="H")
     p.add_argument("--avg-latency", type=int, default=5, help="local steps between snapshot and application")
+    p.add_argument("--avg-blend", type=int, default=0,
+                   help="local steps a round's parameter delta is spread over (0: the manifest's asyncmesh.avg_blend_steps)")
     p.add_argument("--disjoint-shards", action="store_true",
                    help="replicas train on disjoint contiguous shards (default: independent samples of the whole corpus)")
     p.add_argument("--avg-optim", default="adamw", help="optimizer of the averaging runs")
@@ -511,6 +517,12 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5, max
 # ------------------------------------------------------------------------------- averaging
 
 CORRECTED = "sparse_corrected"  # what asyncmesh.avg_correction = true does in node/net/averaging.py
+CORRECTED_VARIANTS = ("sparse_corrected", "sparse_at_once", "sparse_second", "sparse_outer")
+
+
+def blend_of(m, args) -> int:
+    """Local steps a round's parameter delta is spread over in ``sparse_corrected``."""
+    return args.avg_blend or m.asyncmesh.avg_blend_steps
 
 
 def averaging_runs(m, variants, corpus, val, args) -> dict:
@@ -558,8 +570,10 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
     params = [[p for p in mod.parameters() if p.requires_grad] for mod in models]
     n_elem = sum(p.numel() for p in params[0])
     sched = PartitionSchedule([p.shape for p in params[0]], args.avg_fraction, am.run.seed)
-    mom_on = variant in ("sparse_moments", "sparse_corrected", "sparse_second", "sparse_outer")
-    corr = StalenessCorrection(variant in ("sparse_corrected", "sparse_second", "sparse_outer"))
+    mom_on = variant in ("sparse_moments", *CORRECTED_VARIANTS)
+    corr = StalenessCorrection(variant in CORRECTED_VARIANTS)
+    blend_steps = blend_of(m, args) if variant == CORRECTED else 1
+    blends = [BlendedDelta(blend_steps) for _ in range(R)]
     sq_on = variant == "sparse_second"
     outer = None
     if variant == "sparse_outer":
@@ -568,7 +582,7 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
         # Nesterov momentum. The state is computed from averaged values only, so it is identical
         # on every replica (same init).
         outer = ([p.detach().clone() for p in params[0]], [torch.zeros_like(p) for p in params[0]])
-    pending = []  # (apply_at_step, indices, param snaps, param avg, moment snaps, moment avg, start)
+    pending = []  # (apply_at_step, indices, param snaps, param avg, moment snaps, moment avg, ..., start, round)
     bytes_total = 0
     group = 2 * (R - 1) / R  # butterfly all-reduce payload factor per peer
     rnd = 0
@@ -584,6 +598,8 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
             opts[r].step()
             opts[r].zero_grad(set_to_none=True)
         done = step + 1
+        for r in range(R):
+            blends[r].step(params[r])
         if variant == "full":
             with torch.no_grad():
                 for ps in zip(*params):
@@ -596,6 +612,9 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
             continue
         if done % args.avg_every == 0:
             idx = sched.indices(rnd)
+            for r in range(R):
+                if blends[r].partition == sched.partition(rnd):
+                    blends[r].flush(params[r])
             snaps = [snapshot(params[r], idx) for r in range(R)]
             avg = torch.stack(snaps).mean(0)
             msnaps = mavg = vsnaps = vavg = None
@@ -607,15 +626,17 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
                 vavg = torch.stack(vsnaps).mean(0)
             if outer is not None:
                 avg = outer_step(outer, idx, avg, args.outer_lr, args.outer_momentum)
-            pending.append((done + args.avg_latency, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, done))
+            pending.append((done + args.avg_latency, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, done, rnd))
             bytes_total += group * 4 * sched.max_size * (1 + mom_on + sq_on)
             rnd += 1
         while pending and pending[0][0] <= done:
-            _, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, start = pending.pop(0)
+            _, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, start, number = pending.pop(0)
             s = done - start
             for r in range(R):
-                lam = 1.0 + s / (sched.n_partitions * args.avg_every) if variant == "sparse_lambda" else 1.0
-                apply_average_delta(params[r], idx, snaps[r], avg, lam)
+                if variant == "sparse_lambda":
+                    apply_average_delta(params[r], idx, snaps[r], avg, 1.0 + s / (sched.n_partitions * args.avg_every))
+                else:
+                    blends[r].add(params[r], idx, snaps[r], avg, partition=sched.partition(number))
                 if mavg is not None:
                     moments, decays = first_moments(opts[r], params[r])
                     lam_m = corr.moment_lambdas(s, decays) if corr.enabled else [1.0] * len(decays)
@@ -857,7 +878,7 @@ def main(argv=None) -> int:
         "lookahead_horizon": m.asyncmesh.lookahead_horizon,
         "gpipe_loss_runs": "delay 0 (synchronous), same batch per step as async",
         "replicas": args.replicas, "avg_fraction": args.avg_fraction, "avg_every": args.avg_every,
-        "avg_latency_steps": args.avg_latency, "avg_optim": args.avg_optim,
+        "avg_latency_steps": args.avg_latency, "avg_blend_steps": blend_of(m, args), "avg_optim": args.avg_optim,
         "avg_seeds": list(range(args.seed, args.seed + max(1, args.avg_seeds))),
         "replica_data": "disjoint contiguous shards" if args.disjoint_shards else "independent samples of the corpus",
         "avg_correction": "first moments averaged on the same slice, delta scaled by beta^s (StalenessCorrection)",

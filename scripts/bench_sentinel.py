@@ -68,8 +68,8 @@ from security import (  # noqa: E402
 )
 from stages import (  # noqa: E402  # noqa: E402  # noqa: E402
     Batches,
+    BlendedDelta,
     PartitionSchedule,
-    apply_average_delta,
     build_optimizer,
     build_stage,
     lm_loss,
@@ -555,7 +555,9 @@ class ReplicaPair:
     replica's state), each trained on the microbatches routed to it with its own optimizer, a
     slice of ``asyncmesh.avg_fraction`` of their parameters averaged each time one of them has
     taken ``asyncmesh.avg_every`` local steps (``stages.PartitionSchedule``, the node's slices;
-    in-process the round completes at once, and the optimizer moments are not averaged)."""
+    in-process the round completes at once, and the optimizer moments are not averaged), its
+    delta spread over ``asyncmesh.avg_blend_steps`` of each replica's own steps as the node does
+    (``stages.BlendedDelta``)."""
 
     def __init__(self, m, body, opt):
         import copy
@@ -565,18 +567,23 @@ class ReplicaPair:
         self.params = [list(b.parameters()) for b in self.bodies]
         self.schedule = PartitionSchedule([p.shape for p in self.params[0]], m.asyncmesh.avg_fraction, m.run.seed)
         self.local, self.rounds = [0, 0], 0
+        self.blends = [BlendedDelta(m.asyncmesh.avg_blend_steps) for _ in self.bodies]
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.opts[1], lr)  # opts[0] is the swarm's body optimizer, set with the others
 
     def stepped(self, j: int) -> None:
         self.local[j] += 1
+        self.blends[j].step(self.params[j])
         if self.local[j] % self.m.asyncmesh.avg_every:
             return
-        idx = self.schedule.indices(self.rounds)
+        idx, part = self.schedule.indices(self.rounds), self.schedule.partition(self.rounds)
+        for params, blend in zip(self.params, self.blends):
+            if blend.partition == part:
+                blend.flush(params)
         snaps = [snapshot(params, idx) for params in self.params]
-        for params, snap in zip(self.params, snaps):  # the node's apply, a round that took 0 steps
-            apply_average_delta(params, idx, snap, (snaps[0] + snaps[1]) / 2)
+        for params, snap, blend in zip(self.params, snaps, self.blends):  # the node's apply, a round that took 0 steps
+            blend.add(params, idx, snap, (snaps[0] + snaps[1]) / 2, partition=part)
         self.rounds += 1
 
 

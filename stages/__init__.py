@@ -7,6 +7,7 @@ from stages.asyncmesh import (  # noqa: F401
     LookaheadForward, PartitionSchedule, StageWeights, StalenessCorrection, StepClock, StepPolicy,
     apply_average_delta, first_moments, snapshot,
 )
+from stages.avg_blend import BlendedDelta  # noqa: F401
 from stages.data import (  # noqa: F401
     Batches, DataError, load_corpus, val_batches,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "state_distance",
     "ArchWarmup",
     "Batches",
+    "BlendedDelta",
     "DataError",
     "LookaheadForward",
     "Manifest",

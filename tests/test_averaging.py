@@ -432,3 +432,83 @@ def test_a_round_over_replaced_weights_is_discarded():
     avg._round.start_step = 20
     assert avg.maybe_average(17) is False and avg.stats.rounds_state_replaced == 2
     assert torch.equal(params[0], torch.full((8,), -1.0)) and avg.stats.rounds_applied == 0
+
+
+def test_a_rounds_delta_is_blended_over_the_next_local_steps():
+    """blend_steps = 4: a round's delta reaches the weights a quarter at a time, at the round's
+    application and after each of the next three local steps, and in full; the elements outside
+    the slice and what the replica learned since the snapshot are kept."""
+    params = [torch.arange(8, dtype=torch.float32)]
+    ref = params[0].clone()
+    avg = ReplicaAverager(None, params, prefix="x_stage0_avg", fraction=0.5, every=100, seed=3, correction=False,
+                          blend_steps=4)
+    avg._averager = object()  # stands in for the hivemind process: nothing below talks to it
+    rnd = _finished_round(avg, 6, result=(torch.full((4,), 100.0), [6, 6], [[False], [False]], [0, 0]))
+    S = rnd.indices[0]
+    delta = 100.0 - ref[S]
+    params[0][S] += 1.0  # learned after the snapshot: kept
+    seen = []
+    for step in range(1, 7):
+        assert avg.maybe_average(step) is (step == 1)
+        seen.append(params[0][S].clone())
+    for i, value in enumerate(seen):
+        torch.testing.assert_close(value, ref[S] + 1.0 + min(i + 1, 4) / 4 * delta)
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[S] = False
+    assert torch.equal(params[0][untouched], ref[untouched]) and avg.blend.pending == 0
+
+
+def test_a_blended_delta_is_dropped_with_replaced_weights_or_a_new_morph_epoch_and_flushed_for_its_slice():
+    """The rest of a blended delta belongs to the weights it was computed for: a re-sync or a morph
+    epoch drops it. A later round over the same slice snapshots the earlier round in full, and a
+    round applied while one is still blending applies the earlier one's rest first."""
+    from stages import BlendedDelta
+
+    epoch = [0]
+    params = [torch.zeros(8)]
+    avg = ReplicaAverager(None, params, prefix="x_stage0_avg", fraction=0.5, every=100, seed=3, correction=False,
+                          blend_steps=4, epoch_fn=lambda: epoch[0])
+    avg._averager = object()
+    rnd = _finished_round(avg, 6, result=(torch.full((4,), 8.0), [6, 6], [[False], [False]], [0, 0]))
+    S = rnd.indices[0]
+    avg.maybe_average(1)
+    assert torch.equal(params[0][S], torch.full((4,), 2.0)) and avg.blend.pending == 3
+    avg.state_replaced()
+    avg.maybe_average(2)
+    assert torch.equal(params[0][S], torch.full((4,), 2.0)) and avg.blend.pending == 0
+    _finished_round(avg, 6, result=(torch.full((4,), 10.0), [6, 6], [[False], [False]], [0, 0]))
+    avg.maybe_average(3)  # snapshot at 2.0: delta 8, a quarter now
+    assert torch.equal(params[0][S], torch.full((4,), 4.0))
+    epoch[0] = 1  # folded into a new basis: the rest is not applied
+    avg.maybe_average(4)
+    assert torch.equal(params[0][S], torch.full((4,), 4.0)) and avg.blend.pending == 0
+    # a snapshot of the same slice flushes the rest first; another slice's does not
+    rnd = _finished_round(avg, 6, result=(torch.full((4,), 8.0), [6, 6], [[False], [False]], [1, 1]))
+    rnd.epoch = 1
+    avg.maybe_average(5)
+    assert torch.equal(params[0][S], torch.full((4,), 5.0))
+    other = next(n for n in range(7, 200) if avg.schedule.partition(n) != avg.schedule.partition(6))
+    submitted = []  # _begin hands the round to the worker thread: a stand-in records it
+    avg._worker = type("W", (), {"submit": lambda self, fn, rnd: submitted.append(rnd) or _future()})()
+    avg._begin(6, other)
+    assert torch.equal(params[0][S], torch.full((4,), 5.0)) and avg.blend.pending == 3
+    avg._round = None
+    avg._begin(6, 6 + avg.schedule.n_partitions)  # the same slice again
+    assert torch.equal(params[0][S], torch.full((4,), 8.0)) and avg.blend.pending == 0
+    torch.testing.assert_close(submitted[-1].snap, torch.full((4,), 8.0))
+    # a round applied while another blends: the earlier one's rest first, nothing lost
+    blend, t = BlendedDelta(4), [torch.zeros(4)]
+    blend.add(t, [torch.arange(4)], torch.zeros(4), torch.full((4,), 4.0))
+    blend.add(t, [torch.arange(4)], torch.full((4,), 4.0), torch.full((4,), 8.0))
+    assert torch.equal(t[0], torch.full((4,), 5.0)) and blend.pending == 3
+    blend.flush(t)
+    assert torch.equal(t[0], torch.full((4,), 8.0))
+    with pytest.raises(ValueError, match="blend steps"):
+        BlendedDelta(0)
+
+
+def _future():
+    import concurrent.futures
+
+    return concurrent.futures.Future()
+

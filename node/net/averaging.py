@@ -25,9 +25,10 @@ three failed rounds in a row with other replicas online the averager logs a warn
 at the clock (NTP).
 
 A round that fails or times out is dropped (the next one is H steps later); a replica whose
-``peers_fn`` says it is alone does not even start one. Each replica also sends its slot number in
-hivemind's gather, and a group whose numbers differ throws the result away (never a wrong
-average). In a morphing run (docs/MORPH.md) each replica also
+``peers_fn`` says it is alone does not even start one. An applied round's parameter delta
+reaches the weights over ``blend_steps`` local steps (``stages.BlendedDelta``), so the
+replica's outputs do not jump. Each replica also sends its slot number in hivemind's gather, and
+a group whose numbers differ throws the result away (never a wrong average). In a morphing run (docs/MORPH.md) each replica also
 sends its morph epoch: replicas in different epochs hold their weights in different bases, so a
 group whose epochs differ, or a round during which this replica entered a new epoch, is thrown
 away too (``rounds_epoch_discarded``): averages are taken within one epoch only.
@@ -51,7 +52,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from stages import PartitionSchedule, StalenessCorrection, apply_average_delta, first_moments, snapshot
+from stages import BlendedDelta, PartitionSchedule, StalenessCorrection, apply_average_delta, first_moments, snapshot
 
 log = logging.getLogger("swarm.averaging")
 
@@ -146,6 +147,7 @@ class ReplicaAverager:
         epoch_fn: Callable[[], int] | None = None,
         period: float = 5.0,
         clock: Callable[[], float] = time.time,
+        blend_steps: int = 1,
     ):
         if every < 1:
             raise ValueError(f"avg_every must be >= 1, got {every}")
@@ -170,6 +172,8 @@ class ReplicaAverager:
         self.peers_fn = peers_fn
         self.epoch_fn = epoch_fn  # the stage's morph epoch (read where maybe_average runs: the compute thread)
         self.stats = AveragingStats()
+        # a round's parameter delta is applied over this many local steps (stages/avg_blend.py)
+        self.blend = BlendedDelta(blend_steps)
         self._buffer = torch.zeros(slices * self.schedule.max_size, dtype=torch.float32)
         self._averager_kwargs = dict(
             prefix=prefix,
@@ -270,6 +274,11 @@ class ReplicaAverager:
             dt = max(0.0, now - self._last_call)
             self._call_seconds = dt if self._call_seconds == 0.0 else 0.7 * self._call_seconds + 0.3 * dt
         self._last_call = now
+        if self.blend.pending:
+            if self.blend.epoch != self._epoch():  # re-based by a morph: the rest is for weights that are gone
+                log.info("averaging: %d parts of the last round's delta dropped (morph epoch changed)", self.blend.drop())
+            else:
+                self.blend.step(self.params)
         applied = False
         if self._round is not None and self._round.future.done():
             applied = self._finish(local_step)
@@ -303,6 +312,7 @@ class ReplicaAverager:
         and the next round comes H local steps after the new weights' version."""
         if self._round is not None:
             self._round.replaced = True
+        self.blend.drop()  # the rest of an applied round's delta was for the weights that are gone
         self._target, self._next_due = None, None
 
     def stride(self) -> int:
@@ -335,6 +345,8 @@ class ReplicaAverager:
 
     def _begin(self, local_step: int, number: int) -> None:
         indices = self.schedule.indices(number)
+        if self.blend.partition == self.schedule.partition(number):
+            self.blend.flush(self.params)  # the snapshot sees the whole earlier round on its slice
         snap = snapshot(self.params, indices)
         moment_snap, mask = None, [False] * len(self.params)
         if self.correction.enabled:
@@ -391,7 +403,8 @@ class ReplicaAverager:
         self.correction.observe(elapsed)
         n = rnd.snap.numel()
         try:
-            norm = apply_average_delta(self.params, rnd.indices, rnd.snap, averaged[:n], 1.0)
+            norm = self.blend.add(self.params, rnd.indices, rnd.snap, averaged[:n],
+                                  partition=self.schedule.partition(rnd.number), epoch=rnd.epoch)
             lam_m = [0.0] * len(self.params)
             if rnd.moment_snap is not None:
                 moments, decays = self._moments()
