@@ -38,9 +38,9 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    ``tokc`` (``Sentinel._tokc``), averages a sender's ``tok`` over its own last few tensors
    (per position: 1 − the mean over positions of their cosine with their rows, each centred,
    ``TokenTable.position_agreement``; the pooled ``tok`` is ruled by a batch's loudest positions)
-   and compares it with the median of the other senders' averages (at least two of them),
-   counting only the excess beyond ``averaged_mad`` median absolute deviations of those
-   averages (honest replicas differ): persistent half-noise that single tensors hide inside the
+   and compares it with the median of the other senders' averages (at least
+   ``averaged_min_others`` of them), counting only the excess beyond ``averaged_mad`` median
+   absolute deviations of the averages (honest replicas differ; ``excess_over``): persistent half-noise that single tensors hide inside the
    ``tok`` fence adds up; a drift all senders share cancels. Three more answer an adaptive
    adversary that knows all of the above:
 
@@ -556,7 +556,7 @@ class Sentinel:
         a drift every honest sender shares moves the median with it, so it is not flagged and
         cannot trip shift mode. A newcomer's average starts from the voters' median.
 
-        Only against at least ``averaged_min_others`` (3) other voters. With one, the "median"
+        Only against at least ``averaged_min_others`` (5) other voters. With one, the "median"
         is that one sender, and of two replicas that differ neither can be told to be the odd
         one. Two honest replicas always differ (own data, own progress, averaging only a slice),
         and the one with fewer steps has the higher ``tok`` (the token table follows the busier
@@ -564,9 +564,13 @@ class Sentinel:
         slower honest one in two of four runs. With two others, their spread is one difference
         (the MAD of two values is half of it), so a third honest replica that lies further from
         two that happen to agree is flagged: in clean real swarms of three body replicas these
-        averaged checks made most of the false flags and banned an honest replica
-        (docs/SENTINEL.md). So with two or three replicas of a stage they are not judged; the
-        single-tensor distances, ``tok`` included, still are."""
+        averaged checks made most of the false flags and banned an honest replica. With three
+        others it was no better: of three values one deviation from their median is always 0,
+        and in clean real swarms of four body replicas ``ctxc``, ``adjc`` and ``tokc`` flagged
+        honest replicas all along and banned one in two of five runs (docs/SENTINEL.md). So with
+        up to five replicas of a stage they are not judged; the single-tensor distances, ``tok``
+        included, still are. The harm part, whose eight senders have seven others each, is where
+        they are measured against attacks."""
         p = self.params
         rec = state.senders.get(sender)
         others = [r.averaged[name] for r in self._voters(state) if name in r.averaged and r is not rec]

@@ -37,8 +37,9 @@ class SentinelParams:
     beta_cum: float = 0.7  # tokc: EMA decay of a sender's own tok distance, per tensor of its own
     averaged_mad: float = 2.0  # tokc, ctxc: only the excess beyond this many MADs of the other voters' averages
     # tokc, ctxc, adjc, cum, edge judge a sender against the other voters only with at least this
-    # many of them: the spread of two is one difference (security/sentinel.py, Sentinel._others_enough)
-    averaged_min_others: int = 3
+    # many of them (6+ replicas of a stage): the spread of fewer is poorly known, and honest replicas
+    # were flagged and banned with three others (security/sentinel.py, Sentinel._others_enough)
+    averaged_min_others: int = 5
     token_buckets: int = 4096  # table rows; token id -> id % token_buckets
     max_tokens: int = 8192  # tokens sorted for quantiles (a fresh random subset beyond this)
     replay_window: int = 4096  # payload hashes remembered per direction for exact-replay checks

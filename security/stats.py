@@ -138,9 +138,20 @@ def excess_over(value: float, others: list[float], mads: float) -> float:
     averages (own data, own progress): with two body replicas behind eight senders the other
     senders' averages form two groups, and a sender of the upper group lay above the median by
     about one MAD and was flagged on ``ctxc`` (bench_sentinel's harm part: honest fpr 0.057,
-    0.036 with ``mads`` 2)."""
+    0.036 with ``mads`` 2).
+
+    The spread is the larger of the others' MAD and the MAD of all the values, ``value``
+    included; the centre stays the median of the others. The others' MAD alone is degenerate
+    with few of them: of three values one deviation from their median is always 0, so their MAD
+    is the smaller of the other two, and two replicas that happen to agree make it near 0. In
+    clean real swarms of four body replicas that flagged and banned honest replicas
+    (docs/SENTINEL.md). One value cannot move a MAD far (it breaks down at half the values), so
+    an outlier still lies many MADs out. The larger of the two, because adding a value to one of
+    two groups can also pull the MAD of all below the others' (the harm part's two bodies)."""
     med = statistics.median(others)
-    mad = statistics.median(abs(o - med) for o in others)
+    values = [*others, value]
+    centre = statistics.median(values)
+    mad = max(statistics.median(abs(o - med) for o in others), statistics.median(abs(v - centre) for v in values))
     return max(0.0, value - med - mads * mad)
 
 

@@ -30,6 +30,10 @@ from security.sentinel import (
 from security.stats import SIGN_FLOOR
 
 K = 8
+# The averaged checks (tokc, ctxc, adjc, cum, edge) are tested here on four senders, the sender
+# under test and three others; the default minimum of other voters is higher
+# (test_averaged_checks_need_five_other_voters)
+FEW_VOTERS = {"averaged_min_others": 3}
 
 
 @pytest.fixture(autouse=True)
@@ -584,7 +588,7 @@ def test_persistent_noise_is_caught_by_the_cumulative_tok_distance(direction):
     token's norm, stays inside the single-tensor fences (before tokc: 29-30 of 30 accepted); its
     tok distance averaged over its own tensors (tokc, against the median of the other senders'
     averages) adds up and is flagged, while the honest senders are not."""
-    sen = Sentinel(SentinelParams(warmup=10, off=("pos", "edge")))  # tokc alone
+    sen = Sentinel(SentinelParams(warmup=10, **FEW_VOTERS, off=("pos", "edge")))  # tokc alone
     warm(sen, 60, direction=direction, senders=("a", "b", "c", "m"), seed=31, noise=1.5)
     g = torch.Generator().manual_seed(5)
 
@@ -611,7 +615,7 @@ def test_tokc_averages_the_per_position_agreement_so_loud_positions_cannot_hide_
     the per-position agreement (``TokenTable.position_agreement``), which counts every position
     alike, and flags the insider; no honest sender is flagged on it. Averaging the pooled one
     instead (the code before): 4–7 of the 25 flagged on ``tokc`` over four seeds, 20–22 now."""
-    sen = Sentinel(SentinelParams(warmup=10, off=("pos", "edge")))  # tokc alone
+    sen = Sentinel(SentinelParams(warmup=10, **FEW_VOTERS, off=("pos", "edge")))  # tokc alone
     g = torch.Generator().manual_seed(9)
     flagged, honest_rejected = [], []
     for t, (ids, x) in enumerate(stream(160, seed=42, noise=0.8)):
@@ -634,7 +638,7 @@ def insider_run(batch, attack, n, start, watch_from, distance):
     """Senders a, b, c honest and m an insider that applies ``attack`` from tensor ``start`` on,
     in turn, on ``batch()`` traffic: (m's verdict reasons, the honest senders' rejection reasons
     from ``start`` on, {"honest"|"m": ``distance`` of every verdict from ``watch_from`` on})."""
-    sen = Sentinel(SentinelParams(warmup=10))
+    sen = Sentinel(SentinelParams(warmup=10, **FEW_VOTERS))
     flagged, honest_rejected, seen = [], [], {"honest": [], "m": []}
     for t in range(n):
         ids, x = batch()
@@ -746,18 +750,23 @@ def test_cumulative_tok_needs_other_voters():
     assert all(v is not None and v > 0 for v in tok)  # the single-tensor tok is still measured
 
 
-def _three_replicas(min_others: int, rel: float) -> dict[str, list]:
-    """Three senders, the third persistently a little different from two that agree (an honest
-    replica with its own data and progress): every verdict's reason and averaged distances."""
+def _replicas(n: int, min_others: int, rel: float) -> dict[str, list]:
+    """``n`` senders, the last persistently a little different from the others, which agree (an
+    honest replica with its own data and progress): every verdict's reason and averaged distances."""
+    names = "abcdefgh"[:n]
     sen = Sentinel(SentinelParams(warmup=10, averaged_min_others=min_others))
-    warm(sen, 40, direction="grad", senders=("a", "b", "c"), seed=61, noise=1.5)
+    if n == 3:
+        warm(sen, 40, direction="grad", senders=tuple(names), seed=61, noise=1.5)
+    else:  # honest traffic from more senders: a newcomer now and then marginally out while few are established
+        for t, (ids, x) in enumerate(stream(14 * n, direction="grad", seed=61, noise=1.5)):
+            sen.judge(names[t % n], "grad", x, ids, mb=("w", t))
     g = torch.Generator().manual_seed(7)
     out = {"reasons": [], "tokc": [], "cum": [], "edge": []}
-    for t, (ids, x) in enumerate(stream(90, direction="grad", seed=62, noise=1.5)):
-        sender = "abc"[t % 3]
-        if sender == "c":
-            n = x + rel * x.std() * torch.randn(x.shape, generator=g)
-            x = n * (x.norm(dim=-1, keepdim=True) / n.norm(dim=-1, keepdim=True))
+    for t, (ids, x) in enumerate(stream(30 * n, direction="grad", seed=62, noise=1.5)):
+        sender = names[t % n]
+        if sender == names[-1]:
+            v = x + rel * x.std() * torch.randn(x.shape, generator=g)
+            x = v * (x.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
         j = sen.judge(sender, "grad", x, ids)
         out["reasons"].append((sender, j.reason))
         for k in ("tokc", "cum", "edge"):
@@ -765,23 +774,34 @@ def _three_replicas(min_others: int, rel: float) -> dict[str, list]:
     return out
 
 
-def test_averaged_checks_need_three_other_voters():
-    """Three replicas, one a little different from the two others all along: against two others
-    the spread is one difference (a MAD of two is half of it), so the averaged checks flag the
-    third (averaged_min_others = 2, as before: here `edge`, 9 of its 30 tensors); with the default
-    of three, with three replicas they are not judged (tokc 0, no cum or edge), and the
-    single-tensor fences still are (a loud third is refused on `shift`, the token-table distance)."""
-    before = _three_replicas(2, 0.5)
-    flagged = [r for s, r in before["reasons"] if s == "c" and r in ("sentinel:tokc", "sentinel:cum", "sentinel:edge")]
-    assert len(flagged) >= 5, before["reasons"]
-    now = _three_replicas(3, 0.5)
-    assert not [r for _, r in now["reasons"] if r in ("sentinel:tokc", "sentinel:cum", "sentinel:edge",
-                                                      "sentinel:ctxc", "sentinel:adjc")], now["reasons"]
-    assert set(now["tokc"]) == {0.0} and set(now["cum"]) == {None} and set(now["edge"]) == {None}
-    assert sum(r is not None for _, r in now["reasons"]) <= 3, now["reasons"]
+AVERAGED_REASONS = ("sentinel:tokc", "sentinel:cum", "sentinel:edge", "sentinel:ctxc", "sentinel:adjc")
+
+
+def test_averaged_checks_need_five_other_voters():
+    """Replicas that differ a little all along: against few others the spread is poorly known
+    (two others: one difference; three: a MAD of three values, one of whose deviations is always
+    0), so the averaged checks flag the odd replica (three replicas, averaged_min_others = 2:
+    `edge`, 9 of its 30 tensors; four replicas at 3: `edge`, 17 of 30; in clean real swarms of
+    four body replicas at 3, honest bans in two of five runs, docs/SENTINEL.md). With the
+    default of five, three or four replicas are not judged on them (tokc 0, no cum or edge);
+    the single-tensor fences still are (a loud third is refused on `shift`, the token-table
+    distance); six are."""
+    assert SentinelParams().averaged_min_others == 5
+    for n, old_min in ((3, 2), (4, 3)):  # the odd replica against two others, then three
+        before = _replicas(n, old_min, 0.5)
+        flagged = [r for s, r in before["reasons"] if s == "abcd"[n - 1] and r in AVERAGED_REASONS]
+        assert len(flagged) >= 5, before["reasons"]
+    for n in (3, 4):
+        now = _replicas(n, 5, 0.5)
+        assert not [r for _, r in now["reasons"] if r in AVERAGED_REASONS], now["reasons"]
+        assert set(now["tokc"]) == {0.0} and set(now["cum"]) == {None} and set(now["edge"]) == {None}
+        assert sum(r is not None for _, r in now["reasons"]) <= 3, now["reasons"]
     # a sender far off is still refused tensor by tensor
-    loud = _three_replicas(3, 3.0)
+    loud = _replicas(3, 5, 3.0)
     assert sum(r is not None for s, r in loud["reasons"] if s == "c") >= 20, loud["reasons"]
+    # six replicas: judged (five others)
+    six = _replicas(6, 5, 0.5)
+    assert any(v is not None for v in six["edge"]) and any(v is not None for v in six["cum"])
     with pytest.raises(ValueError, match="averaged_min_others"):
         SentinelParams(averaged_min_others=1)
 
@@ -878,7 +898,7 @@ def test_a_sender_riding_just_inside_the_fences_is_caught_by_cum():
     averaged over its own tensors sits near 0.9 while the honest senders' averages sit far
     lower, so ``cum`` flags it after a few tensors, and no honest sender (``edge`` off: it
     flags the same rider sooner, ``test_edge_flags_a_rider_within_a_few_tensors``)."""
-    sen = Sentinel(SentinelParams(warmup=10, off=("pos", "edge")))
+    sen = Sentinel(SentinelParams(warmup=10, **FEW_VOTERS, off=("pos", "edge")))
     warm(sen, 60, senders=("a", "b", "c", "m"), seed=41)
 
     def single_score(t, ids):  # the verdict without cum and without learning
@@ -926,7 +946,7 @@ def test_edge_flags_a_rider_within_a_few_tensors():
     near 0.9 on every tensor, far above the honest senders' level, so the edge sum passes its
     limit within a few tensors (each adds at most ``edge_step``) and it stays flagged; no
     honest tensor is."""
-    p = SentinelParams(warmup=10, off=("pos", "cum"))
+    p = SentinelParams(warmup=10, **FEW_VOTERS, off=("pos", "cum"))
     sen = Sentinel(p)
     warm(sen, 60, senders=("a", "b", "c", "m"), seed=41)
     reasons, honest = [], []
@@ -952,7 +972,7 @@ def test_a_rider_that_obeys_edge_is_held_near_the_honest_level():
     lift moves). It is refused only where even its unedited tensor does not pass."""
     lifts, scores = {}, {}
     for off in (("pos", "cum", "edge"), ("pos", "cum")):
-        sen = Sentinel(SentinelParams(warmup=10, off=off))
+        sen = Sentinel(SentinelParams(warmup=10, **FEW_VOTERS, off=off))
         warm(sen, 60, senders=("a", "b", "c", "m"), seed=41)
         mine, single, honest, reasons = [], [], [], []
         for t, (ids, x) in enumerate(stream(160, seed=42)):
@@ -980,7 +1000,7 @@ def test_edge_leaves_honest_senders_alone_and_needs_other_voters():
     differs a little): no edge flag in 300 tensors. A tensor refused for another reason adds
     nothing to its sender's sum. With two senders there is no edge (of two, neither is the odd
     one)."""
-    sen = Sentinel(SentinelParams(warmup=10))
+    sen = Sentinel(SentinelParams(warmup=10, **FEW_VOTERS))
     warm(sen, 40, senders=("a", "b", "c", "d"), seed=51)
     reasons = []
     for t, (ids, x) in enumerate(stream(300, seed=52)):
@@ -999,7 +1019,7 @@ def test_edge_leaves_honest_senders_alone_and_needs_other_voters():
         assert not j.accept and j.distances["edge"] > 0.2  # refused on scale; it would have added
     assert rec.edge == 0.2
 
-    two = Sentinel(SentinelParams(warmup=10))
+    two = Sentinel(SentinelParams(warmup=10, **FEW_VOTERS))
     warm(two, 60, senders=("a", "b"), seed=54)
     for ids, x in stream(20, seed=55):
         assert "edge" not in two.judge("a", "act", x, ids).distances

@@ -14,6 +14,8 @@ tensor out was rejected too (shift mode needed two tensors out of each replica).
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -245,5 +247,18 @@ def test_an_averaged_distance_counts_only_beyond_the_spread_of_the_other_voters(
     others = [0.40, 0.41, 0.42, 0.50, 0.51, 0.52]  # median 0.46, MAD 0.05
     assert excess_over(0.52, others, 0.0) == pytest.approx(0.06)  # the old rule: flagged at a tight fence
     assert excess_over(0.52, others, 2.0) == 0.0
-    assert excess_over(0.80, others, 2.0) == pytest.approx(0.24)
+    assert excess_over(0.80, others, 2.0) == pytest.approx(0.18)  # spread over all seven: MAD 0.08 > 0.05
     assert excess_over(0.30, others, 2.0) == 0.0
+
+
+def test_the_spread_of_an_averaged_distance_counts_the_judged_sender_too():
+    """With three other voters, two of which agree, their MAD is 0 and a fourth honest replica a
+    little apart was flagged (clean real swarms of four body replicas); counted over all four
+    values the spread is that of the replicas, and a sender far above is still flagged."""
+    from security.sentinel import excess_over
+
+    others = [0.74, 0.74, 0.78]
+    assert statistics.median(abs(o - 0.74) for o in others) == 0.0  # the others' MAD alone
+    assert excess_over(0.83, others, 2.0) == pytest.approx(0.05)  # MAD of all four: 0.02
+    assert excess_over(0.83, others, 2.0) < 0.06 <= 0.83 - 0.74  # under the floor fence (3 x 0.02)
+    assert excess_over(1.20, others, 2.0) == pytest.approx(0.42)
