@@ -40,8 +40,9 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    ``TokenTable.position_agreement``; the pooled ``tok`` is ruled by a batch's loudest positions)
    and compares it with the median of the other senders' averages (at least
    ``averaged_min_others`` of them), counting only the excess beyond ``averaged_mad`` median
-   absolute deviations of the averages (honest replicas differ; ``excess_over``): persistent half-noise that single tensors hide inside the
-   ``tok`` fence adds up; a drift all senders share cancels. Three more answer an adaptive
+   absolute deviations of the averages (honest replicas differ; ``excess_over``): persistent
+   half-noise that single tensors hide inside the ``tok`` fence adds up; a drift all senders
+   share cancels. Three more answer an adaptive
    adversary that knows all of the above:
 
        pos   = √N · mean_t clamp(z_t − 1, 0, 3),  z_t = ‖x_t − T[id_t]‖² / (c · median_t)

@@ -28,8 +28,8 @@ A round that fails or times out is dropped (the next one is H steps later); a re
 ``peers_fn`` says it is alone does not even start one. An applied round's parameter delta
 reaches the weights over ``blend_steps`` local steps (``stages.BlendedDelta``), so the
 replica's outputs do not jump. Each replica also sends its slot number in hivemind's gather, and
-a group whose numbers differ throws the result away (never a wrong average). In a morphing run (docs/MORPH.md) each replica also
-sends its morph epoch: replicas in different epochs hold their weights in different bases, so a
+a group whose numbers differ throws the result away (never a wrong average). In a morphing run
+(docs/MORPH.md) each replica also sends its morph epoch: replicas in different epochs hold their weights in different bases, so a
 group whose epochs differ, or a round during which this replica entered a new epoch, is thrown
 away too (``rounds_epoch_discarded``): averages are taken within one epoch only.
 
