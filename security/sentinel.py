@@ -42,8 +42,7 @@ Nothing is recomputed; the cost is a few reductions, one small sort and one tabl
    ``averaged_min_others`` of them), counting only the excess beyond ``averaged_mad`` median
    absolute deviations of the averages (honest replicas differ; ``excess_over``): persistent
    half-noise that single tensors hide inside the ``tok`` fence adds up; a drift all senders
-   share cancels. Three more answer an adaptive
-   adversary that knows all of the above:
+   share cancels. Three more answer an adaptive adversary that knows all of the above:
 
        pos   = √N · mean_t clamp(z_t − 1, 0, 3),  z_t = ‖x_t − T[id_t]‖² / (c · median_t)
                (activations: a few positions carrying other tokens' codes)

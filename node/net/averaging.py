@@ -29,9 +29,10 @@ A round that fails or times out is dropped (the next one is H steps later); a re
 reaches the weights over ``blend_steps`` local steps (``stages.BlendedDelta``), so the
 replica's outputs do not jump. Each replica also sends its slot number in hivemind's gather, and
 a group whose numbers differ throws the result away (never a wrong average). In a morphing run
-(docs/MORPH.md) each replica also sends its morph epoch: replicas in different epochs hold their weights in different bases, so a
-group whose epochs differ, or a round during which this replica entered a new epoch, is thrown
-away too (``rounds_epoch_discarded``): averages are taken within one epoch only.
+(docs/MORPH.md) each replica also sends its morph epoch: replicas in different epochs hold their
+weights in different bases, so a group whose epochs differ, or a round during which this replica
+entered a new epoch, is thrown away too (``rounds_epoch_discarded``): averages are taken within
+one epoch only.
 
 hivemind constraints handled here: the averager is a child process (fork) that must be started
 from the main thread (it sets a SIGINT handler; we restore the caller's afterwards); the
