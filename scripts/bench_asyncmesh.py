@@ -613,8 +613,7 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
         if done % args.avg_every == 0:
             idx = sched.indices(rnd)
             for r in range(R):
-                if blends[r].partition == sched.partition(rnd):
-                    blends[r].flush(params[r])
+                blends[r].before_snapshot(params[r], sched.partition(rnd))
             snaps = [snapshot(params[r], idx) for r in range(R)]
             avg = torch.stack(snaps).mean(0)
             msnaps = mavg = vsnaps = vavg = None

@@ -579,8 +579,7 @@ class ReplicaPair:
             return
         idx, part = self.schedule.indices(self.rounds), self.schedule.partition(self.rounds)
         for params, blend in zip(self.params, self.blends):
-            if blend.partition == part:
-                blend.flush(params)
+            blend.before_snapshot(params, part)
         snaps = [snapshot(params, idx) for params in self.params]
         for params, snap, blend in zip(self.params, snaps, self.blends):  # the node's apply, a round that took 0 steps
             blend.add(params, idx, snap, (snaps[0] + snaps[1]) / 2, partition=part)

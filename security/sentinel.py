@@ -469,9 +469,10 @@ class Sentinel:
         excess of these averages over the median of the other voters' averages beyond
         ``averaged_mad`` MADs (``excess_over``, as ``tokc``), floored at 0: honest replicas
         differ here too (with no spread term, 5 of the 22 flags in three clean six-replica runs;
-        the harm part unchanged to the digit with it). An attacker that stays just inside the fences on every tensor (the white-box fence
-        rider) sits near 1 on its chosen distance while honest senders average well below; a
-        change every honest sender shares moves the median with it. Judged, like ``tokc``,
+        the harm part unchanged to the digit with it). An attacker that stays just inside the
+        fences on every tensor (the white-box fence rider) sits near 1 on its chosen distance
+        while honest senders average well below; a change every honest sender shares moves the
+        median with it. Judged, like ``tokc``,
         only against at least ``averaged_min_others`` other voters."""
         rec = state.senders.get(sender)
         others = [r.ratio_ema for r in self._voters(state) if r.ratio_ema is not None and r is not rec]

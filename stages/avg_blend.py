@@ -42,8 +42,9 @@ class BlendedDelta:
       first part and returns ‖avg − θ^snap‖; a delta still in flight is applied in full first,
       so no round is ever lost or applied twice.
     - ``step`` applies the next part (call once per local step).
-    - ``flush`` applies what is left (before a snapshot of the same slice: the snapshot then sees
-      the whole earlier round; slices of consecutive rounds are disjoint, so this is rare).
+    - ``flush`` applies what is left; ``before_snapshot`` does so when the snapshot about to be
+      taken is of the same slice, so that it sees the whole earlier round (slices of consecutive
+      rounds are disjoint, so this is rare).
     - ``drop`` forgets what is left (the weights were replaced, or re-based by a morph epoch:
       the rest of the delta belongs to weights that are gone).
     """
@@ -58,10 +59,6 @@ class BlendedDelta:
     def pending(self) -> int:
         """Parts of the delta in flight not yet applied (0: none)."""
         return 0 if self._part is None else self._part.left
-
-    @property
-    def partition(self) -> int | None:
-        return None if self._part is None else self._part.partition
 
     @property
     def epoch(self) -> int | None:
@@ -90,6 +87,11 @@ class BlendedDelta:
         part, self._part = self._part, None
         if part is not None and part.left > 0:
             apply_average_delta(tensors, part.indices, part.snap, part.avg, part.left / self.steps)
+
+    def before_snapshot(self, tensors: Sequence[torch.Tensor], partition: int) -> None:
+        """Flush if the round still blending averaged ``partition``, the slice about to be snapshot."""
+        if self._part is not None and self._part.partition == partition:
+            self.flush(tensors)
 
     def drop(self) -> int:
         """Forget the parts in flight; returns how many were left."""

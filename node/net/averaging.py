@@ -346,8 +346,7 @@ class ReplicaAverager:
 
     def _begin(self, local_step: int, number: int) -> None:
         indices = self.schedule.indices(number)
-        if self.blend.partition == self.schedule.partition(number):
-            self.blend.flush(self.params)  # the snapshot sees the whole earlier round on its slice
+        self.blend.before_snapshot(self.params, self.schedule.partition(number))
         snap = snapshot(self.params, indices)
         moment_snap, mask = None, [False] * len(self.params)
         if self.correction.enabled:
