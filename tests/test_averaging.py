@@ -66,13 +66,17 @@ def test_prefix_has_no_dots():
 
 
 @pytest.mark.timeout(90)
-def test_two_replicas_move_toward_each_other_without_blocking(no_leftover_processes):
+@pytest.mark.parametrize("skew", [0.0, 0.5], ids=["same_clock", "b_clock_half_a_second_behind"])
+def test_two_replicas_move_toward_each_other_without_blocking(no_leftover_processes, skew):
     """Replica a is pushed by gradient +1, replica b by −1 (SGD, momentum β), from weights 3 apart.
-    Shadow copies train identically without averaging, so the expected result is exact:
-    at application (s steps after the snapshot at step t0), on the slice S
-      θ_a = θ_a^plain(now) + (θ_b^plain(t0) − θ_a^plain(t0))/2      (local progress kept)
-      m_a = (1 − β^s)/(1 − β)       (the moment as if averaged at t0: 0, then s gradients of +1)
-    and nothing outside S changes."""
+    Shadow copies train identically without averaging, so the expected result is exact. Each
+    replica takes its snapshot when its own clock says the slot is near, so the two snapshots may
+    be of different steps, t_a and t_b (one step apart when the slot's moment falls between a's
+    and b's call of one step; several with b's clock behind, which the second case makes
+    certain): at application, s = now − t_a steps after a's snapshot, on the slice S
+      θ_a = θ_a^plain(now) + (θ_b^plain(t_b) − θ_a^plain(t_a))/2      (local progress kept)
+      m_a = m_a^plain(now) + β^s·((m_a(t_a) + m_b(t_b))/2 − m_a(t_a))  (moments: the staleness correction)
+    with m_r(t) = sign_r·(1 − β^t)/(1 − β), and nothing outside S changes."""
     torch.manual_seed(0)
     shapes = [(40, 30), (50,), (7, 11)]
     lr, beta = 1e-3, 0.9
@@ -90,9 +94,10 @@ def test_two_replicas_move_toward_each_other_without_blocking(no_leftover_proces
               timeout=15.0, min_matchmaking_time=1.0, request_timeout=0.5, period=2.0)
     dht1 = _dht()
     dht2 = _dht([str(m) for m in dht1.get_visible_maddrs()])
+    clocks = {"a": time.time, "b": lambda: time.time() - skew}
     for name, dht in (("a", dht1), ("b", dht2)):
         r = replicas[name]
-        r["avg"] = ReplicaAverager(dht, r["params"], optimizer=r["opt"], **kw)
+        r["avg"] = ReplicaAverager(dht, r["params"], optimizer=r["opt"], clock=clocks[name], **kw)
     try:
         for r in replicas.values():
             r["avg"].start()
@@ -114,37 +119,40 @@ def test_two_replicas_move_toward_each_other_without_blocking(no_leftover_proces
             time.sleep(0.02)  # the compute of one step
         assert set(applied) == {"a", "b"}, {n: r["avg"].stats for n, r in replicas.items()}
         flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+        moment = lambda r, t: r["sign"] * (1 - beta**t) / (1 - beta)  # noqa: E731 - m_r after t steps, plain
         for name, other in (("a", "b"), ("b", "a")):
             r, o = replicas[name], replicas[other]
             st = r["avg"].stats
             now, params, moments = applied[name]
-            t0 = st.last_snapshot_step
+            t0, t0_other = st.last_snapshot_step, o["avg"].stats.last_snapshot_step
             s = now - t0
             assert st.last_elapsed_steps == s and s >= 1 and st.last_group_size == 2
-            assert st.rounds_applied == 1
+            assert st.rounds_applied == 1 and st.last_round == o["avg"].stats.last_round
             S = r["avg"].schedule.flat_indices(st.last_round)
             mine_now, mine_t0 = flat(r["history"][now - 1]), flat(r["history"][t0 - 1])
-            theirs_t0 = flat(o["history"][t0 - 1])
+            theirs_t0 = flat(o["history"][t0_other - 1])
             expected = mine_now.clone()
             expected[S] += (theirs_t0[S] - mine_t0[S]) / 2
             torch.testing.assert_close(flat(params), expected, rtol=0, atol=1e-5)
-            m_expected = torch.full((S.numel(),), r["sign"] * (1 - beta**s) / (1 - beta))
+            m_avg = (moment(r, t0) + moment(o, t0_other)) / 2
+            m_expected = torch.full((S.numel(),), moment(r, now) + beta**s * (m_avg - moment(r, t0)))
             torch.testing.assert_close(flat(moments)[S], m_expected, rtol=1e-5, atol=1e-5)
-            plain_m = r["sign"] * (1 - beta**now) / (1 - beta)
             outside = torch.ones(expected.numel(), dtype=torch.bool)
             outside[S] = False
-            torch.testing.assert_close(flat(moments)[outside], torch.full((int(outside.sum()),), plain_m))
+            torch.testing.assert_close(flat(moments)[outside], torch.full((int(outside.sum()),), moment(r, now)))
             assert st.last_moment_lambda == pytest.approx(beta**s)
             assert st.bytes_sent == 2 * 4 * r["avg"].schedule.max_size  # g = 2: all of a 2-slice buffer
+        if skew:  # b's snapshot comes half a second after a's: later steps (a step takes ~0.02 s)
+            assert replicas["b"]["avg"].stats.last_snapshot_step > replicas["a"]["avg"].stats.last_snapshot_step
         # moved toward each other: on the slice the replicas are closer than they would be at the
-        # same steps without averaging by the whole separation they had at the snapshot (about 3;
-        # the gradients push them apart, so the gap still grows by the steps the round took,
+        # same steps without averaging by the whole separation they had at their snapshots (about
+        # 3; the gradients push them apart, so the gap still grows by the steps the round took,
         # more on a loaded machine, which the comparison with the unaveraged gap removes)
         (na, pa, _), (nb, pb, _) = applied["a"], applied["b"]
-        t0 = replicas["a"]["avg"].stats.last_snapshot_step
+        ta, tb = (replicas[n]["avg"].stats.last_snapshot_step for n in ("a", "b"))
         plain = lambda n_a, n_b: (flat(replicas["b"]["history"][n_b - 1])  # noqa: E731
                                   - flat(replicas["a"]["history"][n_a - 1]))[S]
-        gap_at_snapshot, gap_plain = plain(t0, t0).mean(), plain(na, nb).mean()
+        gap_at_snapshot, gap_plain = plain(ta, tb).mean(), plain(na, nb).mean()
         gap_after = (flat(pb) - flat(pa))[S].mean()
         assert gap_at_snapshot > 2.9 and gap_plain >= gap_at_snapshot
         assert gap_after == pytest.approx(float(gap_plain - gap_at_snapshot), abs=1e-4)
