@@ -454,6 +454,8 @@ def test_marginal_refusals_of_one_version_count_once(test_manifest):
     for i, score in enumerate(burst):
         head.guard.downstream_outcome("b2", True, score, version=71 + i)
     assert head.router.is_banned("b2")
+    for _ in range(test_manifest.sentinel.flags_to_ban + 2):  # b1's burst is over: its outputs get through
+        head.guard.downstream_outcome("b1", False)
     for _ in range(test_manifest.sentinel.flags_to_ban + 2):
         head.guard.downstream_outcome("b3", True, 1.7, version=5)
     assert head.router.is_banned("b3")
@@ -538,3 +540,41 @@ async def test_the_verdict_log_holds_one_line_per_verdict_with_its_distances(tes
     assert "verdict log: cannot write" in caplog.text
     await tail.guard.verify("b1", "act", x, 201, ids, 31)
     tail.guard.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_replica_whose_outputs_the_next_stage_refuses_is_no_replacement(test_manifest):
+    """At the head, a poisoner of the middle stage can look clean: its gradients pass the head's
+    verifier (they are honest, or a statistics-preserving swap), while the next stage refuses
+    most of its activations. Such a replica is not established (``Guard.established``): it is
+    no replacement for an honest replica that collects marginal flags early in training, so the
+    honest one is spared, as it was before the newcomer came. Once the newcomer's outputs are
+    delivered like an honest replica's, it is one, and the flagged replica is routed around."""
+    net = Net()
+    verifier = RecordingVerifier()
+    head = make_runtime(test_manifest, 0, "head", net, verifier=verifier, batches=head_batches(test_manifest))
+    honest, poisoner = (make_runtime(test_manifest, 1, p, net) for p in ("honest", "poisoner"))
+    link([head, honest, poisoner])
+    x, ids = torch.zeros(1, 4, 2), torch.zeros(1, 4, dtype=torch.long)
+    flags = test_manifest.sentinel.flags_to_ban
+
+    async def grads(peer, n, flagged):
+        verifier.reject = {peer} if flagged else set()
+        for i in range(n):
+            await head.guard.verify(peer, "grad", x, 100 + i, ids, i)
+
+    await establish(head, "honest", "poisoner")  # the poisoner's gradients pass here
+    for _ in range(flags + 1):  # ... but the next stage refuses its outputs (not yet enough to ban it)
+        head.guard.downstream_outcome("poisoner", True, score=2.0)
+    head.guard.downstream_outcome("poisoner", False)
+    assert not head.router.is_banned("poisoner")
+    await grads("honest", flags, flagged=True)
+    assert not head.router.is_banned("honest") and not head.guard.is_banned_sender("honest")
+    assert not head.guard.established("poisoner")
+    # outputs delivered like an honest replica's: now it is a replacement
+    for _ in range(2 * (flags + 2)):
+        head.guard.downstream_outcome("poisoner", False)
+    assert head.guard.established("poisoner")
+    await grads("honest", flags, flagged=True)
+    assert head.router.is_banned("honest")
+    head.guard.stop()

@@ -210,9 +210,16 @@ class Guard:
 
     def established(self, peer: str) -> bool:
         """``peer`` has sent us at least ``max(sentinel.warmup, flags_to_ban)`` tensors that our
-        verifier accepted (since its last ban here), and most of its recent ones pass."""
+        verifier accepted (since its last ban here), most of its recent ones pass, and, where it is
+        our next hop, the next stage refused fewer than half of its recent outputs
+        (``downstream``). Our verifier sees only what a next hop sends back (gradients); a
+        poisoner whose gradients pass here while the stage after it refuses its activations is
+        no replacement for anyone."""
         need = max(self.sentinel.warmup, self.sentinel.flags_to_ban)
-        return self.passed[peer] >= need and self.banlist.flag_rate(peer) < 0.5
+        if self.passed[peer] < need or self.banlist.flag_rate(peer) >= 0.5:
+            return False
+        recent = self.downstream.get(peer)
+        return not recent or 2 * sum(refused for refused, _ in recent) < len(recent)
 
     def is_banned_sender(self, peer: str) -> bool:
         return self.banlist.is_banned(peer, time.monotonic())
