@@ -578,3 +578,34 @@ async def test_a_replica_whose_outputs_the_next_stage_refuses_is_no_replacement(
     await grads("honest", flags, flagged=True)
     assert head.router.is_banned("honest")
     head.guard.stop()
+
+
+@pytest.mark.asyncio
+async def test_the_last_replica_is_spared_while_its_record_is_missing_from_the_router(test_manifest):
+    """The router forgets a peer whose record one DHT read did not return (``Router.update``). A
+    lone replica's stage is the one its tensors come from, not its record's: while its record is
+    missing, its flags still do not ban it, and neither do refusals of its outputs downstream."""
+    net = Net()
+    verifier = RecordingVerifier()
+    tail = make_runtime(test_manifest, 2, "tail", net, verifier=verifier)
+    lone = make_runtime(test_manifest, 1, "lone", net)
+    head = make_runtime(test_manifest, 0, "head", net, verifier=verifier, batches=head_batches(test_manifest))
+    link([head, lone, tail])
+    await establish(tail, "lone")
+    await establish(head, "lone")
+    tail.router.update([])  # one DHT read without its record
+    head.router.update([])
+    assert "lone" not in tail.router.peers and "lone" not in head.router.peers
+    x, ids = torch.zeros(1, 4, 2), torch.zeros(1, 4, dtype=torch.long)
+    flags = test_manifest.sentinel.flags_to_ban
+    verifier.reject = {"lone"}
+    for i in range(flags):
+        await tail.guard.verify("lone", "act", x, 100 + i, ids, i)
+        await head.guard.verify("lone", "grad", x, 100 + i, ids, i)
+    for i in range(3 * (flags + 2)):
+        head.guard.downstream_outcome("lone", True, 2.0, version=200 + i)
+    assert not tail.guard.is_banned_sender("lone") and not head.guard.is_banned_sender("lone")
+    assert value(tail, "swarm_node_bans_total", cause="verifier") == 0
+    assert value(head, "swarm_node_bans_total", cause="verifier-downstream") == 0
+    tail.guard.stop()
+    head.guard.stop()

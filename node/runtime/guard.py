@@ -102,7 +102,7 @@ class Guard:
         weight = ban_weight(verdict, self.sentinel.ban_margin)
         if self.banlist.record(peer, not verdict.accept, now, reason=str(verdict.reason or ""), weight=weight,
                                version=version) \
-                and mostly_ok and self.last_replica(peer):
+                and mostly_ok and self.last_replica(peer, self.index - 1 if direction == "act" else self.index + 1):
             # A ban exists to route around a peer. With no other replica of its stage it would only
             # stop the pipeline, so a sender whose tensors mostly pass is spared (its flagged tensors
             # are still dropped one by one); one whose tensors mostly fail is banned all the same.
@@ -188,7 +188,7 @@ class Guard:
         self.router.cool(peer, REFUSAL_COOL_CHOICES)
         log.info("the next stage refused the output of %s (%s)", peer[-8:], detail)
         if len(recent) < recent.maxlen or not all(r for r, _ in recent) or sum(w for _, w in recent) < flags_to_ban \
-                or peer in self.router.banned() or self.last_replica(peer):
+                or peer in self.router.banned() or self.last_replica(peer, self.index + 1):
             return
         recent.clear()
         versions.reset()
@@ -196,17 +196,20 @@ class Guard:
         self.banlist.ban(peer, now, reason="downstream")
         self._ban(peer, now, "verifier-downstream", f"the next stage refused its last {recent.maxlen} outputs ({detail})")
 
-    def last_replica(self, peer: str) -> bool:
+    def last_replica(self, peer: str, stage: int) -> bool:
         """True if no other replica of ``peer``'s stage could take its work: none online, unbanned
         and **established** with us (``established``). A ban exists to route around a peer; a
         replica that has just joined, or whose tensors mostly fail here, is no replacement. Without
         this, an honest replica that collected marginal flags while it was alone (the statistics
         move fast early in training) was banned the moment a newcomer appeared, which left the
-        newcomer alone in the stage: a way for a poisoner to take a stage over by joining it."""
-        st = self.router.peers.get(peer)
-        if st is None:
-            return False
-        return not [p for p in self.router.stage_peers(st.stage) if p.peer_id != peer and self.established(p.peer_id)]
+        newcomer alone in the stage: a way for a poisoner to take a stage over by joining it.
+
+        ``stage`` is the stage its tensors tell (the one before ours for activations, the one
+        after for gradients and for a next hop's outputs), not its DHT record's: a record missing
+        from one DHT read (an announcement late on a loaded machine, an expired record) drops the
+        peer from the router (``Router.update``), and a peer we could not place was treated as
+        replaceable, so a lone honest replica with a few marginal flags was banned."""
+        return not [p for p in self.router.stage_peers(stage) if p.peer_id != peer and self.established(p.peer_id)]
 
     def established(self, peer: str) -> bool:
         """``peer`` has sent us at least ``max(sentinel.warmup, flags_to_ban)`` tensors that our
