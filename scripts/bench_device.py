@@ -8,7 +8,7 @@ For each device in ``--devices`` (default: ``cpu``, plus ``cuda`` when one is vi
 2. ``pipeline``: the node's own runtime. One ``node.runtime.StageRuntime`` per stage, each with
    the verifier a node builds (SENTINEL when the manifest enables it) and its compute and verify
    threads, exchanging real frames through ``tests.helpers.memnet`` (no p2pd, no sockets) for
-   ``--pipeline-seconds``: tail steps, tokens/s, loss, tensors judged and rejected by the
+   ``--pipeline-seconds`` (and at least ``--pipeline-min-steps`` tail steps): tail steps, tokens/s, loss, tensors judged and rejected by the
    verifiers. Every tensor crossing a stage boundary takes the same path as in a swarm: subspace
    coordinates encoded into a frame, decoded, verified, decompressed on the receiving device.
 
@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: manifest's)")
     p.add_argument("--steps", type=int, default=200, help="reference trainer: optimizer steps per device")
     p.add_argument("--pipeline-seconds", type=float, default=30.0, help="runtime pipeline: seconds per device")
+    p.add_argument("--pipeline-min-steps", type=int, default=0,
+                   help="runtime pipeline: time at least this many tail steps (the window grows past --pipeline-seconds)")
     p.add_argument("--parts", default="reference,pipeline", help="which parts to run")
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="smoke run: the test manifest, a few steps, CPU")
@@ -120,7 +122,7 @@ def reference_run(m, device: torch.device, steps: int, corpus) -> dict:
 # ------------------------------------------------------------------------------- pipeline
 
 
-async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
+async def _pipeline(m, device: torch.device, seconds: float, corpus, min_steps: int = 0) -> dict:
     from node.daemon import make_verifier
     from node.net import Router
     from node.ops import NodeMetrics, metric_sum, parse_metrics
@@ -160,6 +162,11 @@ async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
         sync(device)
         v0, t0 = tail.version, time.perf_counter()
         await asyncio.sleep(seconds)
+        # and at least ``min_steps`` tail steps (a loaded machine steps slower; the rate is over
+        # the whole window either way), for up to 120 s more
+        t_wait = time.monotonic() + 120
+        while tail.version - v0 < min_steps and time.monotonic() < t_wait and not drive.done():
+            await asyncio.sleep(0.01)
         sync(device)
         v1, t1 = tail.version, time.perf_counter()
     finally:
@@ -193,8 +200,8 @@ async def _pipeline(m, device: torch.device, seconds: float, corpus) -> dict:
     }
 
 
-def pipeline_run(m, device: torch.device, seconds: float, corpus) -> dict:
-    return asyncio.run(_pipeline(m, device, seconds, corpus))
+def pipeline_run(m, device: torch.device, seconds: float, corpus, min_steps: int = 0) -> dict:
+    return asyncio.run(_pipeline(m, device, seconds, corpus, min_steps))
 
 
 # ------------------------------------------------------------------------------------ main
@@ -208,6 +215,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.pipeline_seconds = min(args.steps, 6), min(args.pipeline_seconds, 2.0)
+        args.pipeline_min_steps = max(args.pipeline_min_steps, 20)
     names = [d for d in args.devices.split(",") if d] or (
         ["cpu", "cuda"] if torch.cuda.is_available() and not args.quick else ["cpu"])
     devices = [torch.device(d) for d in names]
@@ -227,6 +235,7 @@ def main(argv=None) -> int:
         "n_layers": m.model.n_layers, "n_heads": m.model.n_heads, "stages": m.n_stages,
         "batch_size": m.data.batch_size, "seq_len": m.model.seq_len, "k": m.k,
         "sentinel": bool(m.sentinel.enabled), "steps": args.steps, "pipeline_seconds": args.pipeline_seconds,
+        "pipeline_min_steps": args.pipeline_min_steps,
         "torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "data": corpus.description,
     }, "devices": {}}
@@ -237,7 +246,7 @@ def main(argv=None) -> int:
             res["reference"] = reference_run(m, d, args.steps, corpus)
         if "pipeline" in parts:
             print(f"[bench_device] runtime pipeline on {d}", file=sys.stderr, flush=True)
-            res["pipeline"] = pipeline_run(m, d, args.pipeline_seconds, corpus)
+            res["pipeline"] = pipeline_run(m, d, args.pipeline_seconds, corpus, args.pipeline_min_steps)
         out["devices"][str(d)] = res
     if len(devices) == 2:
         (a, ra), (b, rb) = out["devices"].items()

@@ -436,7 +436,7 @@ def _sentinel_settings(v: SentinelVerifier) -> dict:
 
 # ---------------------------------------------------------------------------------------- harm
 
-# Adaptive families swept in strength (security.attacks, docs/SENTINEL.md "Adaptive adversary"),
+# Adaptive families swept in strength (security.attacks, docs/SENTINEL.md "Harm and the adaptive adversary"),
 # the classic attacks swept where they have a strength, and the rest at their defaults.
 HARM_FAMILIES = {
     "swap": ("fraction", (0.02, 0.1)),

@@ -34,7 +34,7 @@ mixed      each call picks one of the other attacks at random
 ========== ==================================================================================
 
 Adaptive families, each with one strength parameter, built to pass SENTINEL's own statistics
-(docs/SENTINEL.md, "Adaptive adversary"); the benchmark sweeps their strength and measures the
+(docs/SENTINEL.md, "Harm and the adaptive adversary"); the benchmark sweeps their strength and measures the
 harm each setting does to the receiver:
 
 ========== ==================================================================================

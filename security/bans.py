@@ -13,9 +13,8 @@ only just over the fence counts less toward a ban than a clear one. Rejecting a 
 banning its sender answer different questions: the tensor is dropped either way (so a marginal
 tensor does no damage), but a ban takes a whole replica out of the stage for a minute or more,
 and in real swarms honest replicas' marginal false positives come in bursts (replicas' weights
-diverge between averaging rounds; the statistics move fast early in training). Measured in a
-real 3-replica run of the default model before weights: honest replicas banned on 3 flags with
-scores 1.02-1.17 while the attacker's scored 1.6-5.9 (docs/SENTINEL.md).
+diverge between averaging rounds; the statistics move fast early in training), while an
+attacker's flags are mostly clear ones.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class OneVersion:
     alike: one piece of evidence, not several (docs/SENTINEL.md, "False flags in clean swarms").
 
     Bounded, since the version is the sender's word: a flag counts in full when it is clear
-    (weight 1: a refused poisoner never steps either, and is banned as fast as before), has no
+    (weight 1: a refused poisoner never steps either, and is banned as fast as without it), has no
     version, or starts a new version; and at most ``cap`` flags are discounted between two of the
     sender's accepted tensors (``accepted``), whatever versions they claim. So a sender that holds
     its version, or changes it every few tensors, saves at most ``cap`` marginal flags per
@@ -104,9 +103,8 @@ class BanList:
         of its last ``memory`` records sum to ``flags_to_ban``.
 
         ``version``: the sender's optimizer version the tensor came with; the marginal flags of
-        one version count once, for up to ``version_cap`` of them (``OneVersion``; clean real
-        swarms: three to ten marginal flags of one version within seconds banned honest
-        replicas). Clear flags count in full: a refused poisoner is banned as fast as before."""
+        one version count once, for up to ``version_cap`` of them (``OneVersion``). Clear flags
+        count in full: a refused poisoner is banned as fast as without the discount."""
         if flagged and not 0.0 < weight <= 1.0:
             raise ValueError(f"bans: a flag's weight must be in (0, 1], got {weight}")
         p = self._peer(peer)

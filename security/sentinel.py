@@ -7,9 +7,9 @@ statistics that are comparable across batches, compared with an exponential movi
 Nothing is recomputed; the cost is a few reductions, one small sort and one table lookup.
 
 1. Robust units (``normalize``). σ = median token norm / √k; the payload is divided by σ and
-   clipped to ±3. Honest gradients now and then put 90% of a batch's energy in a few tokens of
-   one odd sequence (measured on the default model: the RMS jumps 5× while the median token norm
-   moves 10%), so RMS-based statistics would flag honest traffic. log σ is kept as the scale
+   clipped to ±3. Honest gradients now and then put most of a batch's energy in a few tokens of
+   one odd sequence, which moves the RMS far more than the median token norm, so RMS-based
+   statistics would flag honest traffic. log σ is kept as the scale
    (gradients: log(N·σ), N = B·L, cancelling the 1/N of a mean loss so microbatch size does not
    matter), with the part the batch's tokens explain taken out once the token table can say
    (``position_lognorms``: batches of indentation carry small codes).
@@ -131,9 +131,8 @@ class Sentinel:
       tensors accepted (``_voters``): what the majority of the replicas sends. A malicious
       minority (25-37.5% of a stage's replicas) cannot move a median, even with tensors
       subtle enough to be accepted — with a mean over all traffic instead, the
-      accepted part of a subtle attack dragged the reference toward itself and made the
-      honest look deviant (bias attack F1 0.73 -> 0.87 on the default model, scaling x1.5
-      0 -> 0.69, false-positive rate 1.2% -> 0.3%).
+      accepted part of a subtle attack drags the reference toward itself and makes the
+      honest look deviant.
     - **Fences**: each sender keeps the distances of its last ``sender_window`` accepted
       tensors; the fence of a distance is the median over active senders of their own Tukey
       fences (Q3 + κ·IQR), once three senders have ``sender_min`` values — again a minority
@@ -147,8 +146,7 @@ class Sentinel:
     - **Warm-up**: the first ``warmup`` tensors of a direction are accepted unconditionally (the
       paper's honest warm-up); a distance counts once there are enough values to fence with.
     - **Learning from rejections**: see ``_learn`` (bounded pulls; the shift mode that keeps an
-      abrupt honest change from locking every sender out, measured after 70 steps on the
-      default model with accepted-only references).
+      abrupt honest change from locking every sender out).
     - **Replays**: an exact copy of a payload seen in the last ``replay_window`` tensors of the
       direction is rejected as ``replay`` unless it carries the same microbatch id (a
       retransmission); a replay with a little noise added is left to ``tok``.
@@ -177,9 +175,7 @@ class Sentinel:
         """The active senders that have had at least ``sender_min`` tensors accepted (all the
         active ones if none has). A newcomer votes in the reference only once it has earned it:
         otherwise a rejected newcomer's first tensor would become a vote at once, and with two
-        honest replicas of a stage, one attacker would pick the median (measured in a real
-        3-replica run: the honest replica on the far side of the attacker was refused 5 times in
-        a row and banned)."""
+        honest replicas of a stage, one attacker would pick the median."""
         active = self._active(state)
         established = [rec for rec in active if rec.seen - rec.rejected >= self.params.sender_min]
         return established or active
@@ -194,8 +190,7 @@ class Sentinel:
         of two is one of them per coordinate (the lower middle): a replica was judged against the
         other wherever the other's statistic was lower, so of two honest replicas whose outputs
         drift apart (own data, own step count, averaging only a slice) the one that moved up
-        was flagged (tests/test_sentinel.py: 83 of 100 tensors of a replica drifting by 0.3% per
-        tensor). A newcomer is still judged against the voters (it has no history to trust yet),
+        was flagged (tests/test_sentinel.py has such a drifting replica). A newcomer is still judged against the voters (it has no history to trust yet),
         so one cannot join a stage of one or two replicas with garbage. What two replicas cannot
         tell is which of them drifted (as with ``tokc``), so an established replica that changes
         slowly is followed and one that jumps is rejected until its EMA catches up."""
@@ -212,9 +207,8 @@ class Sentinel:
         """With fewer than three voters, the EMAs of the *other* voters, for an established voter
         (judged against its own EMA, ``_reference``): its tensor also passes if it is within the
         fences of what a partner replica sends now. Of two honest replicas that a stage-wide move
-        reaches a few seconds apart, the second was judged against its own, not yet moved, EMA and
-        flagged in a burst (clean real swarms, docs/SENTINEL.md), though it sent what its partner
-        already sent. This admits nothing that does not look like an established replica's
+        reaches a few seconds apart, the second is judged against its own, not yet moved, EMA,
+        though it sends what its partner already sent. This admits nothing that does not look like an established replica's
         current output (and a newcomer, judged against the voters, gets no partner)."""
         voters = self._voters(state)
         rec = self._alone_with(voters, state, sender)
@@ -288,10 +282,8 @@ class Sentinel:
         With one or two voters each is judged against its own EMA (``_reference``), except for
         these: they measure a tensor against tables every sender feeds, which hold more of the
         busier replica's traffic, and whose fence (the direction's window) is mostly that
-        replica's values. The look-ahead makes a replica's output depend on its own pace: in a
-        clean real swarm the faster replica (look-ahead 2.0 steps, ‖Ŵ − W‖ 0.59 against its
-        partner's 1.4 steps, 0.43) had nine tensors in a row flagged on ``tok`` (scores
-        1.18–1.30) within two seconds and was banned. A newcomer, and any sender once three
+        replica's values. The look-ahead makes a replica's output depend on its own pace, so the
+        faster replica's tensors can lie outside a fence drawn mostly from the other's. A newcomer, and any sender once three
         voters are active (the median of their own fences is the fence then), keeps the
         direction's fence; the cap bounds what a replica can gain by moving its own level."""
         p = self.params
@@ -315,9 +307,6 @@ class Sentinel:
             for state in self._dirs.values():
                 if state.senders.pop(sender, None) is not None:
                     state.ref_version = -1
-
-    def warmed_up(self, direction: str) -> bool:
-        return self._dirs[direction].accepted >= self.params.warmup
 
     def fences(self, direction: str) -> dict[str, float]:
         """The current fence of each distance (inf while there is too little to fence with)."""
@@ -468,8 +457,7 @@ class Sentinel:
         rejected ones included, a newcomer starting from the others' median); cum = the largest
         excess of these averages over the median of the other voters' averages beyond
         ``averaged_mad`` MADs (``excess_over``, as ``tokc``), floored at 0: honest replicas
-        differ here too (with no spread term, 5 of the 22 flags in three clean six-replica runs;
-        the harm part unchanged to the digit with it). An attacker that stays just inside the
+        differ here too. An attacker that stays just inside the
         fences on every tensor (the white-box fence rider) sits near 1 on its chosen distance
         while honest senders average well below; a change every honest sender shares moves the
         median with it. Judged, like ``tokc``,
@@ -513,9 +501,9 @@ class Sentinel:
         test); edge is that sum, fenced at ``edge_limit``.
 
         An attacker that knows the fences sends, on every tensor, the most harmful edit that
-        stays just inside them (the white-box rider): its score sits at its chosen margin (0.9)
-        on every tensor, while honest tensors score 0.55-0.8 and vary (bench_sentinel's harm
-        part), so no single tensor tells it apart and the sum does within three or four. Against
+        stays just inside them (the white-box rider): its score sits at its chosen margin on
+        every tensor, while honest tensors score lower and vary, so no single tensor tells it
+        apart and the sum does within a few. Against
         the sum the rider can only keep its score near the honest level on average, and its
         harm grows with how far above its own honest tensor's score it may go (about
         sqrt(m^2 - s0^2) for a margin m: docs/SENTINEL.md, "Harm"). It is the score and not
@@ -549,9 +537,8 @@ class Sentinel:
     def _tokc(self, state: DirectionState, sender: str, name: str, value: float) -> tuple[float, float]:
         """(tokc, the sender's updated tok EMA) for ``name`` = "tok"; the same for "ctx"
         (``ctxc``: codes exchanged between positions of one token on every tensor lift ``ctx``
-        by ~0.35 against an honest per-tensor spread of ~0.08, which a single tensor's fence,
-        about 4.7 spreads wide, lets through; the average of a few lies many spreads above the
-        other senders'). tokc: how far the sender's ``tok`` distance,
+        by less than a single tensor's fence lets through, but the average of a few lies many
+        honest spreads above the other senders'). tokc: how far the sender's ``tok`` distance,
         averaged over its own last few tensors (rejected ones included, EMA ``beta_cum``), lies
         above the median of the voters' averages, beyond ``averaged_mad`` MADs of them
         (``excess_over``). A persistent small shift that single tensors
@@ -563,15 +550,12 @@ class Sentinel:
         is that one sender, and of two replicas that differ neither can be told to be the odd
         one. Two honest replicas always differ (own data, own progress, averaging only a slice),
         and the one with fewer steps has the higher ``tok`` (the token table follows the busier
-        one's traffic): in clean real swarms of two body replicas, ``tokc`` (1.1–1.7) banned the
-        slower honest one in two of four runs. With two others, their spread is one difference
-        (the MAD of two values is half of it), so a third honest replica that lies further from
-        two that happen to agree is flagged: in clean real swarms of three body replicas these
-        averaged checks made most of the false flags and banned an honest replica. With three
-        others it was no better: of three values one deviation from their median is always 0,
-        and in clean real swarms of four body replicas ``ctxc``, ``adjc`` and ``tokc`` flagged
-        honest replicas all along and banned one in two of five runs (docs/SENTINEL.md). So with
-        up to five replicas of a stage they are not judged; the single-tensor distances, ``tok``
+        one's traffic). With two others, their spread is one difference (the MAD of two values is
+        half of it), so a third honest replica that lies further from two that happen to agree is
+        flagged; with three others, one deviation from their median is always 0. In clean real
+        swarms of two, three and four body replicas these checks flagged and banned honest
+        replicas (docs/experiments/2026-12-07-sentinel-measurements.md). So with up to five
+        replicas of a stage they are not judged; the single-tensor distances, ``tok``
         included, still are. The harm part, whose eight senders have seven others each, is where
         they are measured against attacks."""
         p = self.params
@@ -592,9 +576,8 @@ class Sentinel:
 
         With fewer than three senders (one or two replicas upstream) every one of them must be
         out. There is no majority to appeal to then, and without this an honest lone replica
-        whose statistics move faster than its fences (early training) had every tensor dropped
-        until the stage stalled (measured on the test model in a real swarm: scale scores 3.5-4
-        for tens of steps, and then a ban as soon as a second replica joined). Only voters
+        whose statistics move faster than its fences (early training) has every tensor dropped
+        until the stage stalls. Only voters
         count (``_voters``), so a rejected newcomer cannot trigger it; what a lone attacker gains
         is deviations up to ``shift_reach`` fences, and a lone replica can stall its stage
         anyway.
@@ -602,10 +585,9 @@ class Sentinel:
         Another voter counts as out if its latest tensor is, or one of its tensors among the
         direction's last ``shift_memory`` was: a move that reaches two replicas a little apart is
         a move of the stage whichever showed it first. Counting latest tensors only, the first to
-        move was refused (its partner not yet out), the second was then excused (the first out) and, once
-        accepted, stepped and came back inside, while the first, refused, got no gradient, could
-        not step, and sent its next outputs out again, now with its partner inside: three refusals
-        in 1.3 s and an honest ban in a clean real swarm (docs/SENTINEL.md). What this adds for an
+        move is refused (its partner not yet out), the second is then excused (the first out) and, once
+        accepted, steps and comes back inside, while the first, refused, gets no gradient, cannot
+        step, and sends its next outputs out again, now with its partner inside. What this adds for an
         attacker is a few tensors after each honest tensor out, as the latest-tensor rule already
         gave one."""
         p = self.params
@@ -655,9 +637,7 @@ class Sentinel:
         than the fences): deviations up to ``shift_reach`` fences are then accepted (basis
         ``shift``) and the senders' EMAs follow them at the full rate (the token table only at
         ``reject_weight``), so the references catch up instead of every honest sender being
-        rejected and banned. Measured without it: all honest tensors locked
-        out after 70 steps on the default model; all replicas banned at step ~190 of the test
-        model's closed-loop run. Shift-accepted distances do not enter the fence windows.
+        rejected and banned. Shift-accepted distances do not enter the fence windows.
         """
         p = self.params
         weight = 1.0 if accept else p.reject_weight

@@ -59,8 +59,8 @@ class SentinelParams:
     edge_step: float = 0.15
     edge_limit: float = 0.3
     beta_edge: float = 0.5  # edge: EMA decay of a voter's own single-tensor score (the others' level)
-    # distances not judged (ablations: bench_sentinel --harm-off). pos by default: it flagged 6.7%
-    # of a lone sender's honest activations in bench_sentinel's detection part (docs/SENTINEL.md)
+    # distances not judged (ablations: bench_sentinel --harm-off). pos by default: it flags a lone
+    # sender's honest activations too often (docs/SENTINEL.md, "Harm and the adaptive adversary")
     off: tuple = ("pos",)
     sender_window: int = 12  # a sender's own recent accepted distances (its fence)
     sender_min: int = 5  # ... counted once it holds this many

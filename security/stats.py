@@ -34,9 +34,8 @@ def position_lognorms(norms: Tensor, k: int, grad: bool) -> Tensor:
     the batch, the scale a tensor is judged on is the *residual* scale, the median over positions
     of (log norm − its token's row), plus an offset (EMA over accepted tensors of log scale minus
     residual scale) that keeps it on the log scale's level. Honest batches dominated by tokens
-    with small codes (runs of whitespace in source code) have a median token norm up to 25% below
-    the usual; measured on the test model after 400 steps, 1000 batches of stage 1's output: log
-    scale std 0.038 with a tail down to −0.24, residual scale std 0.013 within ±0.04."""
+    with small codes (runs of whitespace in source code) have a median token norm well below the
+    usual, which the residual scale explains away."""
     out = (norms / math.sqrt(k)).clamp_min(1e-35).log()
     if grad:
         out = out + math.log(norms.numel())
@@ -98,10 +97,9 @@ def compute_stats(Xn: Tensor, log_scale: Tensor, P: Tensor, n_quantiles: int, ma
 
 
 # ``sign``: the weight per component below which a flip is not evidence (robust units squared: both
-# location statistics within ~0.1 of zero). Honest activations' channel means lie 0.4-0.7 from zero
-# (mean |s_i·r_i| 0.26-0.59, 10th-99th percentile, default model); gradients' 0.03-0.25, their
-# weights 0.0007-0.027, so their signs are noise and their sign distance spanned 0-0.97
-# (bench_sentinel's harm part; docs/SENTINEL.md, "False flags in clean swarms").
+# location statistics within ~0.1 of zero). Honest activations' channel means lie well away from
+# zero; gradients' hover around it, so their signs are noise (docs/SENTINEL.md, "False flags in
+# clean swarms").
 SIGN_FLOOR = 0.01
 
 
@@ -136,16 +134,13 @@ def excess_over(value: float, others: list[float], mads: float) -> float:
     """How far ``value`` lies above the median of ``others`` beyond ``mads`` times their median
     absolute deviation, floored at 0 (``tokc``, ``ctxc``). Honest replicas differ in these
     averages (own data, own progress): with two body replicas behind eight senders the other
-    senders' averages form two groups, and a sender of the upper group lay above the median by
-    about one MAD and was flagged on ``ctxc`` (bench_sentinel's harm part: honest fpr 0.057,
-    0.036 with ``mads`` 2).
+    senders' averages form two groups, and a sender of the upper group lies above the median by
+    about one MAD.
 
     The spread is the larger of the others' MAD and the MAD of all the values, ``value``
     included; the centre stays the median of the others. The others' MAD alone is degenerate
     with few of them: of three values one deviation from their median is always 0, so their MAD
-    is the smaller of the other two, and two replicas that happen to agree make it near 0. In
-    clean real swarms of four body replicas that flagged and banned honest replicas
-    (docs/SENTINEL.md). One value cannot move a MAD far (it breaks down at half the values), so
+    is the smaller of the other two, and two replicas that happen to agree make it near 0. One value cannot move a MAD far (it breaks down at half the values), so
     an outlier still lies many MADs out. The larger of the two, because adding a value to one of
     two groups can also pull the MAD of all below the others' (the harm part's two bodies)."""
     med = statistics.median(others)

@@ -76,8 +76,7 @@ class TokenTable:
         r2 = (X[known] - self.table[keys[known]]).square().sum(1)
         # relative to this batch's median: while the model changes fast every residual grows
         # against the lagging rows, which is no attack; a few outlying positions do not move it.
-        # (Per-row residual scales were tried: rows seen a few times have noisy ones, and on
-        # the test model's 128-token payloads honest batches were flagged 20% of the time.)
+        # (Not per-row residual scales: rows seen a few times have noisy ones.)
         z = r2 / (c * r2.median().clamp_min(1e-30))
         return float((z - 1.0).clamp(0.0, 3.0).mean()) * math.sqrt(n)
 
@@ -240,10 +239,8 @@ def centred_corr(A: Tensor, B: Tensor) -> float:
 
 # The context a position's code is compared with. Activations: the previous token alone, its
 # table holding the residual x − T[id] (256 rows at a byte vocabulary, each filled by a few
-# positions of every microbatch); gradients: the (input token, label) pair. Measured on the
-# default model after 90 steps (16 x 128 tokens, 20 batches to fill, 20 judged): honest agreement
-# 0.45–0.53 by the previous token vs 0.31–0.45 by the pair on activations, 0.15–0.25 vs 0.26–0.40
-# on gradients; codes exchanged between positions of one token −0.04–0.07 either way.
+# positions of every microbatch); gradients: the (input token, label) pair. Each direction uses
+# the key under which honest codes agree more with their context (docs/SENTINEL.md, `ctx`).
 
 
 def context_keys(x: Tensor, ids: Tensor, direction: str, buckets: int) -> tuple[Tensor, Tensor, Tensor]:

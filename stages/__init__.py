@@ -13,7 +13,7 @@ from stages.data import (  # noqa: F401
 )
 from stages.manifest import (  # noqa: F401
     Manifest, ManifestError, SentinelConfig, consensus_dict, consensus_hash, diff_manifests, even_layout, load_manifest,
-    manifest_from_dict, manifest_hash, manifest_toml, morph_optimizer_problem,
+    manifest_from_dict, manifest_hash, manifest_toml,
 )
 from stages.model import (  # noqa: F401
     Stage, Transformer, build_model, build_stage, count_parameters, lm_loss, rope_tables, split_model,
@@ -87,7 +87,6 @@ __all__ = [
     "manifest_hash",
     "manifest_toml",
     "morph_chain",
-    "morph_optimizer_problem",
     "morph_width",
     "private_init",
     "rope_tables",

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from stages.manifest import KNOWN_LOOKAHEAD_TARGETS
+from stages.manifest import KNOWN_LOOKAHEAD_TARGETS, KNOWN_OPTIMIZERS
+from stages.optim import Muon
 
 MODES = ("lookahead", "none", "gpipe")
 
@@ -78,11 +79,10 @@ class StepClock:
 
     The pipeline horizon is the head's τ̂, a count of the head's optimizer steps. A body replica
     that gets half of the microbatches steps half as often, and one that gets a fifth, a fifth
-    as often: looking ahead by the head's count of its *own* steps, it extrapolated two or five
-    times as far into the future as the head (measured in clean real swarms of two body
-    replicas: 3.5–4 own steps against an own τ̂ of 0.4–1.4, ‖Ŵ − W‖ 1.0–1.8 against 0.7–1.0 on
-    the faster replica), and the further a stage extrapolates the more its output swings from
-    version to version (docs/ASYNCMESH.md, where SENTINEL flagged such swings). So the head sends
+    as often: looking ahead by the head's count of its *own* steps, it would extrapolate two or
+    five times as far into the future as the head, and the further a stage extrapolates the more
+    its output swings from version to version (docs/ASYNCMESH.md, where SENTINEL flagged such
+    swings). So the head sends
     τ̂ × its period (seconds) and every stage divides by its own period (``steps_in``). With one
     replica per stage every stage steps once per microbatch and nothing changes.
 
@@ -125,8 +125,8 @@ class StepClock:
 def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
     """The optimizer's current per-unit-lr update direction m̂ for ``param`` (None: no state yet).
 
-    The next step moves ``param`` by about ``-lr · m̂``. An optimizer may define its own
-    ``update_direction(param)`` (Muon / NuMuon in stages/optim.py); otherwise:
+    The next step moves ``param`` by about ``-lr · m̂``. Muon / NuMuon compute their own
+    (``Muon.direction`` in stages/optim.py); for torch's optimizers:
 
     - Adam, AdamW, NAdam: ``m̂/(√v̂ + eps)`` with the bias corrections ``1 − β^t`` (for NAdam we use
       the same ``1 − β1^t`` correction, not its momentum-decay product: the direction of travel
@@ -135,9 +135,8 @@ def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> t
     - SGD with momentum: the momentum buffer (plain and Nesterov steps both average to it);
       plain SGD has no direction without a fresh gradient (None).
     """
-    custom = getattr(optimizer, "update_direction", None)
-    if callable(custom):
-        return custom(param)
+    if isinstance(optimizer, Muon):
+        return optimizer.direction(param)
     found = _state_of(optimizer, param, "update direction")
     if found is None:
         return None
@@ -163,7 +162,7 @@ def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor, what: str) 
     if not isinstance(optimizer, _KNOWN):
         raise NotImplementedError(
             f"look-ahead does not know the {what} of {type(optimizer).__name__}; give it an "
-            "update_direction(param) method or run with asyncmesh.mode = 'none'"
+            f"build it from the manifest ({', '.join(KNOWN_OPTIMIZERS)}) or run with asyncmesh.mode = 'none'"
         )
     state = optimizer.state.get(param)
     return (state, _group_of(optimizer, param)) if state else None
@@ -203,9 +202,8 @@ def momentum_carry(optimizer: torch.optim.Optimizer, param: torch.Tensor, tau_ha
     fixes, per unit lr (so ``W − η·carry`` is where W will be if the future gradients average to
     zero): the current first moment m decays as β1^k into each later step's update, and
     decoupled weight decay is deterministic. None when the optimizer has no such state yet, and
-    for optimizers with their own ``update_direction`` (Muon / NuMuon: the orthogonalisation of
-    a future momentum is not linear in m), which the caller then extrapolates with ``τ̂ ·
-    update_direction``.
+    for Muon / NuMuon (the orthogonalisation of a future momentum is not linear in m), which the
+    caller then extrapolates with ``τ̂ · update_direction``.
 
     - Adam / AdamW: step t+k moves by ``m_{t+k}/(1−β1^{t+k})/(√v̂+eps)`` with
       ``m_{t+k} = β1^k m_t + (new gradients)``, so ``carry = Σ_k β1^k/(1−β1^{t+k}) · m_t/(√v̂+eps)``.
@@ -217,11 +215,10 @@ def momentum_carry(optimizer: torch.optim.Optimizer, param: torch.Tensor, tau_ha
 
     The current v̂ stands in for the future ones (v moves slowly: β2 ≥ 0.95). Why not ``τ̂ ·
     update_direction``: with small batches most of a step is the fresh gradient's noise, which
-    no state predicts; extrapolating the whole bias-corrected direction overshoots (measured on
-    the bench model: the multiple of that shift landing closest to the applied weights was 0.2–0.4, matching the
-    carried share; docs/ASYNCMESH.md).
+    no state predicts; extrapolating the whole bias-corrected direction overshoots
+    (docs/ASYNCMESH.md).
     """
-    if callable(getattr(optimizer, "update_direction", None)):
+    if isinstance(optimizer, Muon):
         return None
     found = _state_of(optimizer, param, "momentum")
     if found is None:
@@ -279,7 +276,7 @@ def lookahead_params(
     ``target`` says what m̂ is: ``"update"``, the optimizer's current update direction
     (``update_direction``: Ŵ = W − τ̂·η·update_direction); ``"momentum"``, the share of the next
     τ̂ steps the optimizer state already fixes (``momentum_carry``: Ŵ = W − η·carry, i.e. m̂ =
-    carry/τ̂), falling back to ``"update"`` for optimizers with their own update direction.
+    carry/τ̂), falling back to ``"update"`` for Muon / NuMuon.
     ``lr`` None takes each parameter's group lr (so per-group lr scales are respected). A
     parameter without optimizer state yet, or τ̂ = 0, gets Ŵ = W (copied).
     """
@@ -408,8 +405,7 @@ class LookaheadForward:
         A replica whose step period has just fallen (a burst of steps after a stall) looks
         ahead by more of its own steps than usual, and its outputs move with it; refused, it
         gets no gradient back and cannot step off that version, so every later output of it is
-        refused too (a clean real swarm: look-ahead 2.6 steps against its usual 1.6, seven
-        refusals in eleven seconds, docs/SENTINEL.md "False flags in clean swarms"). The
+        refused too (docs/SENTINEL.md, "False flags in clean swarms"). The
         microbatches already forwarded keep the weights they were forwarded with."""
         cached = self._cached
         if (self.mode != "lookahead" or version != self.version or cached is None or cached.version != version
@@ -521,11 +517,6 @@ class StepPolicy:
             raise ValueError(f"asyncmesh mode must be one of {MODES}, got {self.mode!r}")
         if min(self.flush_every, self.max_inflight, self.grad_accum) < 1:
             raise ValueError("flush_every, max_inflight and grad_accum must be >= 1")
-
-    @classmethod
-    def from_manifest(cls, manifest) -> StepPolicy:
-        a, t = manifest.asyncmesh, manifest.train
-        return cls(a.mode, a.gpipe_flush_every, t.max_inflight, t.grad_accum)
 
     @property
     def group(self) -> int:
@@ -764,10 +755,6 @@ class StalenessCorrection:
             raise ValueError("elapsed steps must be >= 0")
         s = float(elapsed_steps)
         self.s_hat = s if self.s_hat is None else self.ema * self.s_hat + (1 - self.ema) * s
-
-    @staticmethod
-    def param_lambda(elapsed_steps: int) -> float:
-        return 1.0
 
     def moment_lambdas(self, elapsed_steps: int, decays: Sequence[float]) -> list[float]:
         """λ_m = β^s per moment tensor (0 when the correction is off: moments untouched)."""

@@ -2,12 +2,10 @@
 
 A sparse round removes the disagreement that the replicas built up on one slice since that slice
 was last averaged (``asyncmesh.avg_fraction`` of the weights, averaged once every 1/p rounds), so
-it is many local steps' worth of change at once: in a clean real swarm of the default manifest a
-round's delta had a norm of 2 on the slice, where a whole local step moved all of a body stage's
-weights by 0.26. Applied at once, it makes the replica's outputs jump, and the next stage's
-SENTINEL judges every sender against recent traffic: in clean swarms of three body replicas 3.4%
-of a replica's tensors were refused in the 5 s after its own round, against 2.8% over whole runs,
-and 1.4% in those 5 s with the delta blended over 6 steps (docs/ASYNCMESH.md, "Blended deltas").
+it is many local steps' worth of change at once. Applied at once, it makes the replica's outputs
+jump, and the next stage's SENTINEL judges every sender against recent traffic, so the replica's
+tensors right after its own round are the likeliest to be refused (docs/ASYNCMESH.md, "Blended
+deltas").
 
 ``BlendedDelta`` applies θ[S] ← θ[S] + (avg − θ^snap[S]) in ``steps`` equal parts: one when the
 round is applied, one after each of the next ``steps`` − 1 local steps. The total is the round's

@@ -9,9 +9,6 @@ protocol version (``protocol.frames.PROTOCOL_VERSION``).
 the field (``model.n_heads: 6 does not divide model.d_model=256``). ``manifest_hash`` is the
 SHA-256 of the canonical JSON of the *consensus* fields; ``diff_manifests`` names the fields
 that differ so a node that refuses to join can say why.
-
-Deprecated keys still load: ``[subspace] compression_rate = R`` (the old spelling of the width)
-becomes ``k = d_model // R`` with a ``ManifestDeprecationWarning`` naming the replacement.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import hashlib
 import json
 import math
 import tomllib
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,14 +41,6 @@ MORPH_EQUIVARIANT_OPTIMIZERS = ("sgd", "muon", "numuon")
 
 class ManifestError(ValueError):
     """A manifest is unusable; the message names the field and what is wrong with it."""
-
-
-class ManifestDeprecationWarning(FutureWarning):
-    """A manifest uses a deprecated key; the message names the replacement.
-
-    A FutureWarning, not a DeprecationWarning: manifests are written by a run's organisers and
-    operators, and Python's default filters hide DeprecationWarnings raised outside ``__main__``.
-    """
 
 
 @dataclass(frozen=True)
@@ -122,7 +110,7 @@ def even_layout(n_layers: int, n_stages: int) -> list[list[int]]:
 # Betas an optimizer gets when the manifest omits them. NAdam (the default pipeline optimizer,
 # docs/REFERENCES.md §2) uses a long first-moment memory, 0.99: under asynchronous stale gradients the
 # momentum averages over the delay; AdamW/Adam keep the short-run LM defaults 0.9, 0.95. The
-# others (sgd, muon, numuon: their aux AdamW groups) keep 0.9, 0.95 as before.
+# others (sgd, muon, numuon: their aux AdamW groups) use 0.9, 0.95.
 DEFAULT_BETAS = {"nadam": (0.99, 0.999), "adamw": (0.9, 0.95), "adam": (0.9, 0.95)}
 _OTHER_BETAS = (0.9, 0.95)
 
@@ -301,11 +289,6 @@ class Manifest:
         return manifest_from_dict(data)
 
 
-# Consensus fields added after runs were already hashed: left out of the consensus dict while at
-# their default, so a manifest that does not use them hashes as before ((section, None): the whole
-# section while every field in it is at its default).
-_OMIT_AT_DEFAULT = (("optim", "aux_optimizer"), ("morph", None))
-
 # Sections and fields peers must agree on. train/data.batch_size are local choices.
 _LOCAL_ONLY = {
     "train": None,  # whole section local
@@ -384,7 +367,6 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
     if not isinstance(data, dict):
         raise ManifestError("manifest must be a table of sections")
     sections: dict[str, Any] = {}
-    compression_rate: Any = None  # the deprecated [subspace] compression_rate, if given
     for section, values in data.items():
         if section not in _SECTIONS:
             raise ManifestError(
@@ -393,8 +375,7 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
         if not isinstance(values, dict):
             raise ManifestError(f"[{section}] must be a table")
         if section == "subspace" and "compression_rate" in values:
-            values = dict(values)
-            compression_rate = _coerce(section, "compression_rate", 0, values.pop("compression_rate"))
+            raise ManifestError(_compression_rate_removed(data, values["compression_rate"]))
         cls = _section_class(section)
         defaults = cls()
         known = {f.name for f in dataclasses.fields(cls)}
@@ -410,45 +391,21 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
                                     "omit the field for the optimizer's default")
             kwargs[name] = _coerce(section, name, getattr(defaults, name), value)
         sections[section] = cls(**kwargs)
-    if compression_rate is not None:
-        sections["subspace"] = _k_from_compression_rate(
-            sections["subspace"], compression_rate, "k" in data["subspace"],
-            sections.get("model", ModelConfig()).d_model,
-        )
     manifest = Manifest(**sections)
     validate_manifest(manifest)
     return manifest
 
 
-def _k_from_compression_rate(sub: SubspaceConfig, rate: int, k_given: bool, d_model: int) -> SubspaceConfig:
-    """``[subspace]`` with the deprecated ``compression_rate = R`` read as ``k = d_model // R``.
-
-    Warns (ManifestDeprecationWarning) with the replacement; refuses a rate that gives no
-    coordinates and a ``k`` given alongside that disagrees with the rate.
-    """
-    if rate < 1:
-        raise ManifestError(
-            f"subspace.compression_rate: must be >= 1, got {rate} (the key is deprecated: "
-            f"write subspace.k, the coordinates per token, 1..{d_model})"
-        )
-    k = d_model // rate
-    if k_given:
-        if sub.k != k:
-            raise ManifestError(
-                f"subspace.k = {sub.k} and the deprecated subspace.compression_rate = {rate} disagree: "
-                f"the rate means k = d_model // compression_rate = {d_model} // {rate} = {k}; "
-                "remove compression_rate and keep k"
-            )
-        message = f"subspace.compression_rate is deprecated and repeats subspace.k = {k}: remove it"
-    else:
-        if k < 1 and sub.enabled:
-            raise ManifestError(
-                f"subspace.k: k = d_model // compression_rate = {d_model} // {rate} = 0 coordinates per "
-                f"token; subspace.compression_rate is deprecated: write k = N with 1 <= N <= {d_model}"
-            )
-        message = f'subspace.compression_rate is deprecated: write "k = {k}" (d_model {d_model} // {rate})'
-    warnings.warn(message, ManifestDeprecationWarning, stacklevel=3)
-    return dataclasses.replace(sub, k=k)
+def _compression_rate_removed(data: dict[str, Any], rate: Any) -> str:
+    """The error for ``[subspace] compression_rate``, the width's old spelling (``k = d_model // rate``)."""
+    model = data.get("model")
+    d_model = model.get("d_model") if isinstance(model, dict) else None
+    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+        d_model = ModelConfig.d_model
+    hint = ""
+    if isinstance(rate, int) and not isinstance(rate, bool) and 1 <= rate <= d_model:
+        hint = f"; compression_rate = {rate} meant k = {d_model} // {rate} = {d_model // rate}"
+    return f'subspace.compression_rate was removed: write "k = N" (1 <= N <= {d_model}){hint}'
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -675,9 +632,9 @@ def morph_optimizer_problem(m: Manifest) -> str | None:
 
 
 def consensus_dict(m: Manifest) -> dict[str, Any]:
-    """The fields every peer of the run must agree on (local-only choices removed; an unsigned
-    run's empty ``run.organiser`` is left out, so its hash is what it was before the field; so are
-    later additions while at their default: ``optim.aux_optimizer`` and the ``[morph]`` section)."""
+    """The fields every peer of the run must agree on: every field, local-only choices removed,
+    and an unsigned run's empty ``run.organiser`` left out (signing sets it: the signature covers
+    the organiser it names)."""
     data = m.to_dict()
     for section, fields in _LOCAL_ONLY.items():
         if fields is None:
@@ -687,13 +644,6 @@ def consensus_dict(m: Manifest) -> dict[str, Any]:
                 data[section].pop(f, None)
     if not data["run"].get("organiser"):
         data["run"].pop("organiser", None)
-    for section, name in _OMIT_AT_DEFAULT:
-        defaults = dataclasses.asdict(_section_class(section)())
-        if name is None:
-            if data.get(section) == _plain(defaults):
-                data.pop(section, None)
-        elif data.get(section, {}).get(name) == defaults[name]:
-            data[section].pop(name, None)
     return data
 
 
@@ -737,13 +687,6 @@ def manifest_toml(m: Manifest) -> str:
 def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
     """Dotted names of the consensus fields that differ, e.g. ``["model.d_model"]``."""
     da, db = consensus_dict(a), consensus_dict(b)
-    for d in (da, db):  # fields left out at their default compare as their default
-        for section, name in _OMIT_AT_DEFAULT:
-            defaults = _plain(dataclasses.asdict(_section_class(section)()))
-            if name is None:
-                d.setdefault(section, defaults)
-            else:
-                d.setdefault(section, {}).setdefault(name, defaults[name])
     out = []
     for section in sorted(set(da) | set(db)):
         sa, sb = da.get(section, {}), db.get(section, {})

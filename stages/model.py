@@ -36,9 +36,8 @@ one stalls at the unigram loss, docs/TRAINING.md), the setting of the warm-up be
 Dense variant (``subspace.enabled = false``): unconstrained writers and a full-width learned
 embedding on top of the same frozen table, ``h0 = T[x] + E[x]``, so dense and subspace differ
 only in the constraint. (Equivalent to a learned embedding initialised at T whose T part is
-exempt from weight decay. Measured, scripts/bench_subspace.py: with post-branch RMSNorm every
-branch adds a vector of RMS 1 per channel, and a plain embedding initialised at std 0.02 is
-drowned by them; at equal tokens that baseline was worse than the *subspace* model.)
+exempt from weight decay. With post-branch RMSNorm every branch adds a vector of RMS 1 per
+channel, and a plain embedding initialised at std 0.02 is drowned by them.)
 
 The subspace constants U and T are buffers of one ``codec`` module per Transformer / Stage and
 are passed down to the writers at call time, so they exist once per module tree. Every

@@ -26,12 +26,9 @@ architecture warm-up): a parameter whose ``.grad`` is None is skipped entirely b
 here (no momentum, no weight decay), and registering all of them keeps the parameter indices of
 a state dict stable while blocks unlock.
 
-Checkpoints are tensors only: :func:`optimizer_state_tensors` / :func:`load_optimizer_state_tensors`
-flatten the per-parameter state to ``{"state.<index>.<name>": Tensor}`` (hyperparameters come
-from the manifest again on load, so they are not stored).
-
-The AsyncMesh look-ahead needs the optimizer's current update direction:
-:func:`update_direction` and :func:`expected_step`.
+The AsyncMesh look-ahead extrapolates along the optimizer's current update direction:
+:meth:`Muon.direction` gives it for Muon / NuMuon (``stages.asyncmesh.update_direction`` computes
+it for torch's optimizers and calls this for these).
 """
 
 from __future__ import annotations
@@ -331,23 +328,25 @@ class Muon(torch.optim.Optimizer):
         self.global_step = max(steps, default=0)
         self._dir_cache.clear()
 
-    def update_direction(self, param: Tensor) -> Tensor | None:
-        """Per-unit-lr direction of ``param``'s next step (None without state yet): the step is
-        about ``param ← param − lr_group·d``. Used by stages/asyncmesh.py's look-ahead; see the
-        module-level :func:`update_direction` for what ``d`` is per group kind."""
-        for group in self.param_groups:
-            if any(q is param for q in group["params"]):
-                return self.direction(param, group)
-        raise KeyError("parameter is not in this optimizer")
-
     @torch.no_grad()
-    def direction(self, p: Tensor, group: dict) -> Tensor | None:
-        """Current update direction of ``p`` in ``group`` (see :func:`update_direction`)."""
+    def direction(self, p: Tensor) -> Tensor | None:
+        """Per-unit-lr direction ``d`` of ``p``'s next step, about ``p ← p − lr_group·d`` (None
+        before ``p``'s first step). Cached until the next ``step``: do not modify it in place.
+
+        - Muon groups: ``√max(1, m/n)·NS(M)``, the orthogonalised momentum buffer; NuMuon: the
+          rank-``k_t`` polar factor ``√max(1, m/n)·U_k V_kᵀ`` of M.
+        - AdamW groups: ``m̂ / (√v̂ + eps)`` with bias-corrected moments; SGD groups: the momentum
+          buffer.
+        - Plus ``weight_decay·p`` (decay is decoupled in every group kind).
+        """
+        if p in self._dir_cache:
+            return self._dir_cache[p]
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            raise KeyError("parameter is not in this optimizer")
         state = self.state.get(p)
         if not state:
             return None
-        if p in self._dir_cache:
-            return self._dir_cache[p]
         wd = group["weight_decay"]
         if group["use_muon"]:
             d = self._muon_direction(p, state["momentum_buffer"], group, state, update_state=False)
@@ -493,120 +492,3 @@ def build_optimizer(
     return NuMuon(groups, **common, total_steps=total_steps or manifest.schedule.total_steps,
                   rank_start=o.rank_start, rank_final=o.rank_final, rank_hold_frac=o.rank_hold_frac,
                   rank_decay_end_frac=o.rank_decay_end_frac, seed=manifest.run.seed)
-
-
-# --------------------------------------------------------------------------------------------
-# Update direction (AsyncMesh look-ahead)
-# --------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def update_direction(optimizer: torch.optim.Optimizer) -> dict[Tensor, Tensor]:
-    """The optimizer's current update direction ``d`` per parameter: its next step is about
-    ``W ← W − lr_group·d``, so the look-ahead weights for a delay of τ̂ steps are
-    ``Ŵ = W − τ̂·lr_group·d`` (:func:`expected_step` multiplies by the group lr for you).
-
-    - Adam / AdamW / NAdam (and Muon's AdamW groups): ``m̂ / (√v̂ + eps)`` with bias-corrected
-      moments, plus ``weight_decay·W`` where decay is decoupled (AdamW, NAdam as built here,
-      Muon's AdamW groups). NAdam's Nesterov/momentum-decay factors are not applied: the
-      direction is the bias-corrected mean step, which is what extrapolation needs.
-    - SGD: the momentum buffer (plus coupled decay is ignored).
-    - Muon: ``√max(1, m/n)·NS(M)``, the orthogonalised momentum buffer (+ ``weight_decay·W``).
-    - NuMuon: the rank-``k_t`` polar factor ``√max(1, m/n)·U_k V_kᵀ`` of M (+ ``weight_decay·W``).
-
-    Parameters without optimizer state (never had a gradient, e.g. locked blocks, or before
-    the first step) are absent. Tensors are new (or cached until the next ``step``): do not
-    modify them in place.
-    """
-    out: dict[Tensor, Tensor] = {}
-    if isinstance(optimizer, Muon):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                d = optimizer.direction(p, group)
-                if d is not None:
-                    out[p] = d
-        return out
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            if "exp_avg" in state:
-                b1, b2 = group["betas"]
-                t = max(1, int(float(state["step"])))
-                d = (state["exp_avg"] / (1 - b1**t)) / ((state["exp_avg_sq"] / (1 - b2**t)).sqrt() + group["eps"])
-                decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-                if decoupled and group["weight_decay"]:
-                    d = d + group["weight_decay"] * p
-                out[p] = d
-            elif state.get("momentum_buffer") is not None:
-                out[p] = state["momentum_buffer"].clone()
-    return out
-
-
-@torch.no_grad()
-def expected_step(optimizer: torch.optim.Optimizer) -> dict[Tensor, Tensor]:
-    """``lr_group · update_direction`` per parameter: the change the next step is expected to
-    subtract. Look-ahead weights for a delay of τ̂ steps: ``Ŵ = W − τ̂·expected_step[W]``."""
-    dirs = update_direction(optimizer)
-    out = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p in dirs:
-                out[p] = dirs[p] * group["lr"]
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Tensors-only state dicts (safetensors checkpoints)
-# --------------------------------------------------------------------------------------------
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """The optimizer's per-parameter state as ``{"state.<param index>.<name>": Tensor}``.
-
-    Indices are torch's (order of parameters over the param groups), so the same module and
-    manifest give the same indices. Number-valued state entries become 0-d tensors. Tensors
-    are detached and contiguous (ready for ``safetensors.torch.save_file``)."""
-    out: dict[str, Tensor] = {}
-    for idx, st in optimizer.state_dict()["state"].items():
-        for name, value in st.items():
-            if "." in name:
-                raise ValueError(f"optimizer state name {name!r} contains '.'")
-            if isinstance(value, Tensor):
-                t = value.detach()
-            elif isinstance(value, bool) or value is None:
-                raise ValueError(f"optimizer state {name!r} is {value!r}, not a tensor or number")
-            elif isinstance(value, int):
-                t = torch.tensor(value, dtype=torch.int64)
-            elif isinstance(value, float):
-                t = torch.tensor(value, dtype=torch.float64)
-            else:
-                raise ValueError(f"optimizer state {name!r} has type {type(value).__name__}, not storable")
-            out[f"state.{idx}.{name}"] = t.contiguous()
-    return out
-
-
-def load_optimizer_state_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor]) -> None:
-    """Inverse of :func:`optimizer_state_tensors`; hyperparameters stay those of ``optimizer``
-    (built from the manifest). Raises ``ValueError`` naming the first entry that does not fit
-    (unknown key, parameter index out of range, moment shape differing from the parameter)."""
-    sd = optimizer.state_dict()
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state: dict[int, dict[str, Tensor]] = {}
-    for key, value in tensors.items():
-        parts = key.split(".")
-        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
-            raise ValueError(f"optimizer state: unexpected key {key!r} (want 'state.<index>.<name>')")
-        idx, name = int(parts[1]), parts[2]
-        if idx >= len(params):
-            raise ValueError(f"optimizer state: {key!r} refers to parameter {idx} but the optimizer has "
-                             f"{len(params)} (checkpoint of another model or stage?)")
-        if not isinstance(value, Tensor):
-            raise ValueError(f"optimizer state: {key!r} is not a tensor")
-        if name in ("exp_avg", "exp_avg_sq", "momentum_buffer") and value.shape != params[idx].shape:
-            raise ValueError(f"optimizer state: {key!r} has shape {tuple(value.shape)}, parameter {idx} "
-                             f"has {tuple(params[idx].shape)}")
-        state.setdefault(idx, {})[name] = value
-    sd["state"] = state
-    optimizer.load_state_dict(sd)

@@ -15,8 +15,7 @@ By default (``method="lanczos"``) the products of the power iteration are not th
 estimate is the top Ritz value of the Krylov space they span (Lanczos with full
 reorthogonalisation), for the same number of HVPs. Two reasons, both seen on our transformer:
 plain power iteration converges to the eigenvalue of largest *magnitude*, which in the
-preconditioned Hessian of a network in training is often a large negative one (we measured
-swings between −2·10⁶ and +3·10⁶ from one measurement to the next), while stability is about
+preconditioned Hessian of a network in training is often a large negative one, while stability is about
 the largest *positive* one; and with 5 products the Ritz value is much closer to λ_max.
 ``method="power"`` is the textbook iteration (Rayleigh quotient of the last iterate).
 

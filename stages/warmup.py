@@ -25,9 +25,8 @@ checkpoint and are not touched).
 Ramp (our addition, ``manifest.warmup.ramp_steps > 0``). The model normalises every branch output
 (``h + rmsnorm(branch)``, papers §1). ``rmsnorm(0) = 0`` exactly, so unlocking is
 function-preserving; but any non-zero branch output is renormalised to unit RMS, so without more
-care a branch jumps to full strength at its first update after unlock. Measured on the benchmark
-model (scripts/bench_optim.py): a loss spike of about one nat exactly one step after every unlock.
-With a ramp the unlocked block's output is blended, ``h_out = h + s·(block(h) − h)``, with
+care a branch jumps to full strength at its first update after unlock, and the loss spikes one
+step after every unlock. With a ramp the unlocked block's output is blended, ``h_out = h + s·(block(h) − h)``, with
 ``s = min(1, (t − t_unlock + 1)/ramp_steps)``: still exactly the identity at the unlock step
 (the branch is zero), still a gradient for the writers (scaled by ``s``, which Adam-type and
 Muon steps normalise away), and the block's influence grows linearly. ``h + s·Δ`` with ``Δ`` in
@@ -129,12 +128,6 @@ class ArchWarmup:
         for p in block.parameters():
             p.requires_grad_(False)
             p.grad = None
-
-    def is_locked(self, layer: int) -> bool:
-        return layer in self.locked
-
-    def active_layers(self) -> list[int]:
-        return sorted(set(self.blocks) - self.locked)
 
     def apply(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> list[int]:
         """Unlock every locked block whose unlock step is ``<= step``; return their layers.

@@ -4,6 +4,7 @@ StageRuntimes and verifiers over tests.helpers.memnet), per device, in one JSON 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,10 +31,13 @@ def test_quick_run_trains_through_the_runtime_and_prints_one_json():
     assert set(out["devices"]) == {"cpu"}  # --quick stays on the CPU
     cpu = out["devices"]["cpu"]
     ref, pipe = cpu["reference"], cpu["pipeline"]
-    assert ref["steps"] == 6 and ref["tokens_per_s"] > 0 and ref["val_loss"] > 0
-    # the runtime pipeline trained: the tail stepped, every stage kept up, losses finite and
-    # falling from the initial ~ln(256), every activation and gradient went through a verifier
-    assert pipe["tail_steps"] > 10 and pipe["tokens_per_s"] > 0 and pipe["losses_finite"]
+    assert ref["steps"] == 6 and ref["tokens_per_s"] > 0
+    # the reference trainer is seeded: 4.7317 in every run (the pipeline below is timed, not pinned)
+    assert ref["val_loss"] == pytest.approx(4.7317, abs=0.002) and ref["val_loss"] < math.log(256)
+    # the runtime pipeline trained: the tail stepped (the quick window lasts until 20 tail steps,
+    # however slow the machine), every stage kept up, losses finite and falling from the initial
+    # ~ln(256), every activation and gradient went through a verifier
+    assert pipe["tail_steps"] >= 20 and pipe["tokens_per_s"] > 0 and pipe["losses_finite"]
     assert pipe["loss_last10"] < pipe["loss_first10"]
     assert min(pipe["versions"]) > 10
     assert pipe["verifier_judged"] >= 2 * pipe["tail_steps"]

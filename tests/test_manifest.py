@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from stages import Manifest, ManifestError, diff_manifests, load_manifest, manifest_from_dict, manifest_hash
-from stages.manifest import ManifestDeprecationWarning
 
 
 def test_shipped_manifests_load(default_manifest, test_manifest):
@@ -89,7 +86,7 @@ def test_k_is_the_boundary_width_and_a_dense_run_sends_d_model(test_manifest):
     assert test_manifest.replace(subspace={"k": 5}).k == 5  # any k in 1..d_model, not only divisors
     dense = test_manifest.replace(subspace={"enabled": False})
     assert dense.k == dense.model.d_model == 64
-    # a dense run does not use k, so it is not range-checked (as compression_rate was not)
+    # a dense run does not use k, so it is not range-checked
     assert test_manifest.replace(model={"d_model": 4, "n_heads": 1}, subspace={"enabled": False, "k": 8}).k == 4
     with pytest.raises(ManifestError, match=r"subspace\.k: 65 coordinates per token exceed model\.d_model=64"):
         test_manifest.replace(subspace={"k": 65})
@@ -101,64 +98,46 @@ def _with_subspace(manifest: Manifest, **subspace) -> dict:
     return data
 
 
-def test_deprecated_compression_rate_loads_as_k_with_a_warning(default_manifest, test_manifest, tmp_path):
-    # the shipped runs as they were written before the rename: compression_rate 32 at d 256, 8 at d 64
-    for m, rate in ((default_manifest, 32), (test_manifest, 8)):
-        with pytest.warns(ManifestDeprecationWarning) as rec:
-            old = manifest_from_dict(_with_subspace(m, compression_rate=rate))
-        d = m.model.d_model
-        assert [str(w.message) for w in rec] == [
-            f'subspace.compression_rate is deprecated: write "k = 8" (d_model {d} // {rate})'
-        ]
-        assert old == m and old.k == 8
-        assert manifest_hash(old) == manifest_hash(m) and diff_manifests(old, m) == []
-    # from a file, and k = d_model // rate rounds down like the old rank(): 256 // 30 = 8
-    f = tmp_path / "old.toml"
-    f.write_text("[model]\nd_model = 256\n[subspace]\ncompression_rate = 30\n")
-    with pytest.warns(ManifestDeprecationWarning, match=r'write "k = 8" \(d_model 256 // 30\)'):
-        assert load_manifest(f).subspace.k == 8
-    # the rate is read against the manifest's d_model, wherever [model] sits in the file
-    f.write_text("[subspace]\ncompression_rate = 4\n[model]\nd_model = 128\n")
-    with pytest.warns(ManifestDeprecationWarning, match=r'write "k = 32" \(d_model 128 // 4\)'):
-        assert load_manifest(f).k == 32
-    # shown under Python's default warning filters (a plain DeprecationWarning would be hidden)
-    assert issubclass(ManifestDeprecationWarning, FutureWarning)
-
-
-def test_the_new_key_does_not_warn(default_manifest):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert load_manifest("default") == default_manifest
-        manifest_from_dict(default_manifest.to_dict())
-
-
-def test_both_keys_must_agree(default_manifest):
-    with pytest.warns(ManifestDeprecationWarning, match="repeats subspace.k = 8: remove it"):
-        same = manifest_from_dict(_with_subspace(default_manifest, k=8, compression_rate=32))
-    assert same == default_manifest
+@pytest.mark.parametrize(
+    "subspace, d_model, message",
+    [
+        ({"compression_rate": 32}, 256,
+         'subspace.compression_rate was removed: write "k = N" (1 <= N <= 256); '
+         "compression_rate = 32 meant k = 256 // 32 = 8"),
+        ({"compression_rate": 4}, 128,  # read against the manifest's own d_model
+         'subspace.compression_rate was removed: write "k = N" (1 <= N <= 128); '
+         "compression_rate = 4 meant k = 128 // 4 = 32"),
+        ({"k": 8, "compression_rate": 32}, 256,  # even when it agrees with k
+         'subspace.compression_rate was removed: write "k = N" (1 <= N <= 256); '
+         "compression_rate = 32 meant k = 256 // 32 = 8"),
+        ({"compression_rate": 0}, 256, 'subspace.compression_rate was removed: write "k = N" (1 <= N <= 256)'),
+        ({"compression_rate": "32"}, 256, 'subspace.compression_rate was removed: write "k = N" (1 <= N <= 256)'),
+    ],
+)
+def test_the_removed_compression_rate_key_is_refused_naming_k(default_manifest, subspace, d_model, message):
+    data = _with_subspace(default_manifest, **subspace)
+    data["model"]["d_model"] = d_model
     with pytest.raises(ManifestError) as e:
-        manifest_from_dict(_with_subspace(default_manifest, k=16, compression_rate=32))
-    assert str(e.value) == (
-        "subspace.k = 16 and the deprecated subspace.compression_rate = 32 disagree: the rate means "
-        "k = d_model // compression_rate = 256 // 32 = 8; remove compression_rate and keep k"
-    )
-    # replace() keeps k, so a rate that says otherwise is refused rather than silently ignored
-    with pytest.raises(ManifestError, match="disagree"):
+        manifest_from_dict(data)
+    assert str(e.value) == message
+
+
+def test_the_removed_key_is_refused_from_a_file_and_by_replace(default_manifest, tmp_path):
+    f = tmp_path / "old.toml"
+    f.write_text("[subspace]\ncompression_rate = 4\n[model]\nd_model = 128\n")
+    with pytest.raises(ManifestError, match=r'compression_rate was removed: write "k = N" \(1 <= N <= 128\)'):
+        load_manifest(f)
+    with pytest.raises(ManifestError, match="compression_rate was removed"):
         default_manifest.replace(subspace={"compression_rate": 16})
 
 
-@pytest.mark.parametrize(
-    "rate, needle",
-    [
-        (512, "subspace.k: k = d_model // compression_rate = 256 // 512 = 0 coordinates per token"),
-        (0, "subspace.compression_rate: must be >= 1, got 0"),
-        ("32", "subspace.compression_rate: expected an integer"),
-    ],
-)
-def test_deprecated_compression_rate_out_of_range_is_refused(default_manifest, rate, needle):
-    with pytest.raises(ManifestError) as e:
-        manifest_from_dict(_with_subspace(default_manifest, compression_rate=rate))
-    assert needle in str(e.value)
+def test_shipped_manifest_hashes_are_pinned(default_manifest, test_manifest):
+    # organiser signatures and checkpoints are keyed by this hash: a change to consensus_dict or to
+    # the shipped runs that moves it must be deliberate (update these values with it)
+    assert manifest_hash(default_manifest) == "a102acdd81ab6350868540c798986e4acdb0b92affe2f7787de6c290a7ca59ff"
+    assert manifest_hash(test_manifest) == "364d34c70bb065561d9a55b170e10efff08bb13fc9ee8281f42183e845ce0492"
+    rebuilt = manifest_from_dict(_with_subspace(default_manifest, k=8))
+    assert manifest_hash(rebuilt) == manifest_hash(default_manifest) and diff_manifests(rebuilt, default_manifest) == []
 
 
 def test_manifest_protocol_version_is_the_wire_protocol_version():

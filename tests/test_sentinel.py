@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -349,9 +345,11 @@ def test_warmup_accepts_anything_then_verdicts_count():
         bad = junk(x, t) if t == 5 else x
         j = sen.judge("a", "act", bad, ids)
         assert j.accept and j.basis == "warmup"
-    assert sen.warmed_up("act") and not sen.warmed_up("grad")
+    gids, gx = next(stream(1, direction="grad", seed=4))  # warm-up is per direction: gradients are in theirs
+    assert sen.judge("a", "grad", junk(gx, 0), gids).basis == "warmup"
     for t, (ids, x) in enumerate(data[10:20], start=10):
-        assert sen.judge("a", "act", x, ids).accept
+        j = sen.judge("a", "act", x, ids)
+        assert j.accept and j.basis != "warmup"
     ids, x = data[20]
     j = sen.judge("a", "act", x * 3, ids)
     assert not j.accept and j.basis == "reference" and j.reason == "sentinel:scale" and j.score > 1
@@ -850,22 +848,7 @@ def test_params_are_validated():
     assert set(DISTANCES) >= {"l1", "l2", "sign", "swd", "tok"}
 
 
-@pytest.mark.timeout(120)
-def test_bench_quick_runs_and_reports_every_attack():
-    root = Path(__file__).resolve().parent.parent
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, str(root / "scripts" / "bench_sentinel.py"), "--quick"],
-                         capture_output=True, text=True, timeout=110, cwd=root)
-    assert out.returncode == 0, out.stderr[-2000:]
-    import json
-
-    result = json.loads(out.stdout)
-    assert set(result["attacks"]) == set(ATTACKS) - set(ADAPTIVE_FAMILIES)  # the quick detection part: the classic list
-    for v in result["attacks"].values():
-        assert set(v) >= {"precision", "recall", "f1", "delay_steps"}
-    assert 0 <= result["fpr"] <= 1 and result["overhead_frac"] > 0
-    assert set(result["val_loss"]) == {"clean", "attacked_with_sentinel", "attacked_without_sentinel"}
-    assert time.perf_counter() - t0 < 110
+# scripts/bench_sentinel.py --quick (detection, damage, harm) and its figures: tests/test_bench_smoke.py
 
 
 def test_bench_clean_summary_counts_false_positives_per_node():
