@@ -1,6 +1,9 @@
-"""swarm-node's daemon: the only package with I/O. ``daemon.py`` wires one node; the rooms are
-``net/`` (networking), ``runtime/`` (the stage runtime) and ``ops/`` (operations). It may use
-``protocol``, ``security`` and ``stages`` through their public faces; they never use it."""
+"""swarm-node's daemon: the only package with I/O. Its rooms, lowest first: ``base/`` (errors,
+checkpoint format, processes, logging), ``net/`` (networking), ``runtime/`` (the stage runtime),
+``ops/`` (operations), ``daemon/`` (one node wired together) and ``cli.py`` (the command line). A
+module imports its own room and the rooms below it, never one above (``tests/test_layers.py``);
+this file (``lazy_face``) ranks with ``base``. It may use ``protocol``, ``security`` and
+``stages`` through their public faces; they never use it."""
 
 import importlib
 

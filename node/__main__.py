@@ -1,5 +1,5 @@
 """``python -m node``: the same as the ``swarm-node`` command."""
 
-from node.ops import main
+from node.cli import main
 
 raise SystemExit(main())

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node.ops import read_json_log  # noqa: E402
+from node.base import read_json_log  # noqa: E402
 
 
 def pick_local_threads(manifest, probe_steps: int = 3) -> tuple[int, dict]:
@@ -75,7 +75,15 @@ def run_swarm(manifest_arg: str, manifest, steps: int, torch_threads: int, workd
         head, tail = nodes[0], nodes[-1]
         deadline = time.monotonic() + timeout
         last_step, last_change = -1, time.monotonic()
+        tail_left = None
         while time.monotonic() < deadline and any(n.proc.poll() is None for n in nodes):
+            # every node leaves at --steps of its own; a stage that refused a gradient (a false
+            # flag) is a step behind the tail and never gets its last one once the tail has left:
+            # the run is over when the tail is, the rest are stopped (SIGTERM) a little later
+            if tail.proc.poll() is not None:
+                tail_left = tail_left or time.monotonic()
+                if time.monotonic() - tail_left > 15.0:
+                    break
             step = metric_sum(sw.metrics(tail), "swarm_node_steps_total") if tail.proc.poll() is None else last_step
             if step != last_step:
                 last_step, last_change = step, time.monotonic()

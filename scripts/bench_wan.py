@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node.ops import read_json_log  # noqa: E402
+from node.base import read_json_log  # noqa: E402
 
 PROFILES = {
     "loopback": dict(up_mbit=None, down_mbit=None, delay_ms=0.0, loss=0.0),
@@ -80,7 +80,7 @@ class Archiver(threading.Thread):
 
 
 def checkpoints(d: Path) -> dict[int, Path]:
-    from node.ops import list_checkpoints
+    from node.base import list_checkpoints
 
     return dict(list_checkpoints(d))
 
@@ -91,7 +91,7 @@ _VAL: dict = {}
 def val_loss(manifest, paths: list[Path], n_batches: int) -> float:
     import torch
 
-    from node.ops import read_checkpoint, restore_module
+    from node.base import read_checkpoint, restore_module
     from stages import build_stage, lm_loss, load_corpus, val_batches
 
     stages = []

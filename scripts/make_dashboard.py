@@ -193,6 +193,12 @@ def rows() -> list[tuple[str, list]]:
             timeseries_panel("Served requests by result", "short",
                              q("sum by (protocol, result) (rate(swarm_node_served_total[1m]))",
                                "{{protocol}} {{result}}")),
+            timeseries_panel("Compute failures", "short",
+                             q("sum by (instance, direction, error) (increase(swarm_node_compute_failures_total[5m]))",
+                               "{{instance}} {{direction}} {{error}}"),
+                             description="Exceptions in a stage's own compute (forward, backward, the head's "
+                                         "forward, averaging). Any increase is a bug or a broken device: the "
+                                         "node's log has the traceback of the first of each kind."),
             timeseries_panel("State sync bytes", "bytes",
                              q("sum by (direction) (increase(swarm_node_state_sync_bytes_total[5m]))",
                                "{{direction}}")),

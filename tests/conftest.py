@@ -18,6 +18,18 @@ def pytest_asyncio_loop_factories(config, item):
     return {"uvloop": uvloop.new_event_loop}
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Stages that share this process run with one intra-op thread each, so they do not fight
+    over the cores (``pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def test_manifest():
     from stages import load_manifest

@@ -16,7 +16,7 @@ P2P_LOCAL = dict(use_relay=False, use_auto_relay=False, auto_nat=False, nat_port
 
 
 def _descendants(pid: int) -> set[int]:
-    from node.ops.procs import processes
+    from node.base import processes
 
     children: dict[int, list[int]] = {}
     for p in processes():
@@ -285,11 +285,11 @@ def _finished_round(avg, number, result=None, error=None):
     """A round whose hivemind part is already over (no network): drives ReplicaAverager's bookkeeping."""
     import concurrent.futures
 
-    from node.net.averaging import _Round
+    from node.net.averaging_round import Round
     from stages import snapshot
 
     idx = avg.schedule.indices(number)
-    rnd = _Round(number, 0, idx, snapshot(avg.params, idx), None, [False] * len(avg.params), 0.0)
+    rnd = Round(number, 0, idx, snapshot(avg.params, idx), None, [False] * len(avg.params), 0.0)
     rnd.future = concurrent.futures.Future()
     if error is not None:
         rnd.future.set_exception(error)
@@ -392,7 +392,7 @@ def test_a_slower_replica_joins_a_subset_of_a_faster_ones_slots():
 def test_a_missed_or_busy_slot_is_passed_over():
     import concurrent.futures
 
-    from node.net.averaging import _Round
+    from node.net.averaging_round import Round
 
     avg, t, begun = _clocked(every=2, period=5.0)
     _drive(avg, t, 3, 0.1)  # due at step 3 (H = 2 after the first call)
@@ -404,7 +404,7 @@ def test_a_missed_or_busy_slot_is_passed_over():
     avg.maybe_average(5)
     assert avg.pending_slot == target + 1
     # a round still in flight when the next slot comes: that slot goes without this replica
-    avg._round = _Round(0, 0, [], torch.zeros(0), None, [False], 0.0)
+    avg._round = Round(0, 0, [], torch.zeros(0), None, [False], 0.0)
     avg._round.future = concurrent.futures.Future()
     t[0] = (target + 1) * 5.0 - 3.05
     avg.maybe_average(6)

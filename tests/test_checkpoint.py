@@ -11,16 +11,17 @@ import pytest
 import torch
 from torch import nn
 
-from node.ops import (
+from node.base import (
     CheckpointError,
+    checkpoint_path,
     flatten_module,
     flatten_optimizer,
+    list_checkpoints,
     load_latest_checkpoint,
     restore_module,
     restore_optimizer,
     save_checkpoint,
 )
-from node.ops.checkpoint import checkpoint_path, list_checkpoints
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from node.ops.cli import SUBCOMMANDS
+from node.cli import SUBCOMMANDS
 
 
 def test_help_lists_every_subcommand():
     out = subprocess.run(
-        [sys.executable, "-m", "node.ops.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "node.cli", "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     for name in SUBCOMMANDS:

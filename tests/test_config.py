@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from node.ops import CliError
+from node.base import CliError
 from node.ops.config import NodeConfig, add_arguments, load_config_file, resolve_config, tcp_ports
 
 
@@ -109,7 +109,7 @@ def test_tcp_ports_of_multiaddrs():
 
 
 def test_run_subcommand_exposes_every_field():
-    from node.ops.cli import build_parser
+    from node.cli import build_parser
 
     help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     for name in NodeConfig.__dataclass_fields__:

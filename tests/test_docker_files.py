@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from node.ops.cli import build_parser
+from node.cli import build_parser
 
 from .conftest import ROOT
 

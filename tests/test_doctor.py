@@ -24,15 +24,16 @@ def _by_name(checks):
 
 
 def test_doctor_healthy_machine(tmp_path):
+    from node.net.identity import write_identity
+
     key = tmp_path / "id.key"
-    key.write_bytes(b"x")
-    key.chmod(0o600)
+    peer_id = write_identity(key)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free_port = s.getsockname()[1]
     checks = _by_name(doctor.run_checks(_args(manifest="test", identity=str(key), metrics_port=free_port)))
     assert checks["p2pd"].status == "ok"
-    assert checks["identity"].status == "ok"
+    assert checks["identity"].status == "ok" and peer_id in checks["identity"].detail
     assert checks["memory stage 0"].status == "ok"
     assert checks["clock"].status == "ok"
 
@@ -48,6 +49,8 @@ def test_doctor_flags_world_readable_key_port_in_use_and_bad_manifest(tmp_path):
         checks = _by_name(doctor.run_checks(_args(manifest="test", identity=str(key), metrics_port=port)))
     assert checks["identity"].status == "fail"
     assert f"chmod 600 {key}" in checks["identity"].detail
+    key.chmod(0o600)  # private, but not a key: the node would refuse it, and so does doctor
+    assert "not a usable identity" in doctor.doctor_identity_check(str(key)).detail
     assert checks[f"port {port}"].status == "fail" and "in use" in checks[f"port {port}"].detail
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nn_heads = 7\n")

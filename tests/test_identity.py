@@ -11,16 +11,11 @@ import time
 
 import pytest
 
+from node.base import CliError
 from node.net import check_identity
-from node.net.identity import (
-    add_arguments,
-    identity_in_use,
-    main,
-    new_ed25519_key,
-    peer_id_from_identity,
-    peer_id_from_key,
-)
-from node.ops import CliError
+from node.net.identity import add_arguments, main
+from node.net.presence import identity_in_use
+from security import new_ed25519_key, peer_id_from_key
 
 
 def keygen(argv: list[str]) -> int:
@@ -33,7 +28,7 @@ def test_keygen_writes_a_private_key_with_mode_0600_and_refuses_to_overwrite(tmp
     path = tmp_path / "node.key"
     assert keygen([str(path)]) == 0
     out = capsys.readouterr().out
-    peer_id = peer_id_from_identity(path)
+    peer_id = check_identity(path)
     assert f"peer id: {peer_id}" in out and peer_id.startswith("12D3KooW")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     blob = path.read_bytes()
@@ -43,7 +38,7 @@ def test_keygen_writes_a_private_key_with_mode_0600_and_refuses_to_overwrite(tmp
         keygen([str(path)])
     assert path.read_bytes() == blob
     assert keygen([str(path), "--force"]) == 0
-    assert path.read_bytes() != blob and peer_id_from_identity(path) != peer_id
+    assert path.read_bytes() != blob and check_identity(path) != peer_id
     assert [p.name for p in tmp_path.iterdir()] == ["node.key"]  # no temp file left
 
     with pytest.raises(CliError, match="mkdir -p"):
@@ -114,7 +109,7 @@ async def test_p2pd_uses_the_key_and_identity_in_use_sees_it_online(tmp_path):
         boot_maddrs = await boot.visible_maddrs()
         a = await Transport.start(identity_path=path, initial_peers=boot_maddrs)
         started.append(a)
-        assert a.peer_id == peer_id_from_identity(path)  # p2pd read our key file
+        assert a.peer_id == check_identity(path)  # p2pd read our key file
         checker = await Transport.start(initial_peers=boot_maddrs)
         started.append(checker)
 

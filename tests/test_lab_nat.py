@@ -70,7 +70,7 @@ def test_a_node_behind_nat_trains_in_a_swarm_and_doctor_says_relay(tmp_path):
         assert sw.value(head, "swarm_node_steps_total") >= 25
 
         # a peer that never talked to it reaches it through the relay address it announced
-        r = lab.run(public, [sys.executable, "-m", "node.ops.cli", "status", "--json", relayed[0]], timeout=90)
+        r = lab.run(public, [sys.executable, "-m", "node.cli", "status", "--json", relayed[0]], timeout=90)
         assert r.returncode == 0, r.stdout + r.stderr
         assert '"stage": 1' in r.stdout.replace("'", '"') or json.loads(r.stdout).get("stage") == 1, r.stdout
 

@@ -28,17 +28,10 @@ from tests.helpers.runtime import (
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 EVERY = 8  # head steps per morph epoch in these tests
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def morph_manifest(test_manifest, every=EVERY):

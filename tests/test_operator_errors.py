@@ -83,10 +83,11 @@ def outcomes(tmp_path_factory):
     try:
         peers = sw.start_bootstrap()
         boot_id = peers[0].rsplit("/p2p/", 1)[1]
-        # a node that is online with identity `taken`
+        # a node that is online with identity `taken` (a middle stage: it loads no data, its
+        # start-up is the path to the "identity already online" case)
         taken = tmp / "taken.key"
         _keygen(taken)
-        owner = sw.start_node(0, name="owner", identity=str(taken))
+        owner = sw.start_node(1, name="owner", identity=str(taken))
         # a world-readable key
         open_key = tmp / "open.key"
         _keygen(open_key)
@@ -179,18 +180,21 @@ def outcomes(tmp_path_factory):
             in_ns.update({
                 "no_route": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),
                                     "--initial-peers", f"/ip4/192.0.2.1/tcp/31337/p2p/{boot_id}", *quick],
+                # nothing ever answers there: each attempt waits out its whole --bootstrap-timeout
+                # (this case ends last), so the 3 s of "unreachable"; the line does not depend on it
                 "no_answer": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),
-                                     "--initial-peers", f"/ip4/127.0.0.1/tcp/{DROPPED_PORT}/p2p/{boot_id}", *quick],
+                                     "--initial-peers", f"/ip4/127.0.0.1/tcp/{DROPPED_PORT}/p2p/{boot_id}",
+                                     "--bootstrap-retries", "2", "--bootstrap-timeout", "3"],
             })
         procs = {}
         for name, argv in [*cases.items(), *in_ns.items()]:
             prefix = ["ip", "netns", "exec", ns] if name in in_ns and ns is not None else []
-            procs[name] = subprocess.Popen([*prefix, sys.executable, "-m", "node.ops.cli", *argv],
+            procs[name] = subprocess.Popen([*prefix, sys.executable, "-m", "node.cli", *argv],
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                            start_new_session=True, env=sw.env)
         sw.wait_ready([owner], timeout=150)
         procs["identity_in_use"] = subprocess.Popen(
-            [sys.executable, "-m", "node.ops.cli", *base, "--metrics-port", "-1", "--identity", str(taken),
+            [sys.executable, "-m", "node.cli", *base, "--metrics-port", "-1", "--identity", str(taken),
              "--initial-peers", *peers],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=sw.env)
         results = {}

@@ -170,7 +170,7 @@ def test_dashboard_and_alerts_name_only_exported_metrics(swarm):
             elif not word.startswith("swarm_node_") and word not in _PROMQL_WORDS and not word.isdigit():
                 # label names inside by()/on() are fine; anything else would be a typo
                 assert word in {"instance", "stage", "direction", "protocol", "result", "kind", "cause",
-                                "verdict", "reason", "outcome", "state", "job", "peer_stage", "side",
+                                "verdict", "reason", "outcome", "state", "job", "peer_stage", "side", "error",
                                 "check"}, (word, expr)
     assert not missing, f"dashboard/alerts name metrics no node exports: {missing}"
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from node.ops import LocalSwarm
-from node.ops.checkpoint import list_checkpoints
+from node.base import list_checkpoints
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

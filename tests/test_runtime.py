@@ -33,16 +33,8 @@ from tests.helpers.runtime import (
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Three stages share this process: one intra-op thread each keeps them from fighting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.asyncio
@@ -552,7 +544,7 @@ async def test_step_log_records_how_far_each_stage_looks_ahead(test_manifest, ho
 
 
 def test_checkpoint_state_round_trip(test_manifest, tmp_path):
-    from node.ops import load_latest_checkpoint, save_checkpoint
+    from node.base import load_latest_checkpoint, save_checkpoint
 
     m = test_manifest
     net = Net()

@@ -20,15 +20,8 @@ from tests.helpers.runtime import (
     Net, RecordingVerifier, establish, head_batches, link, make_runtime, start_all, stop_all, value, wait_for,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class ForgettingVerifier(RecordingVerifier):

@@ -118,6 +118,6 @@ def test_nodes_die_with_their_launcher(tmp_path):
 
 
 def _alive(pid: int) -> bool:
-    from node.ops.procs import processes
+    from node.base import processes
 
     return any(p.pid == pid and p.alive for p in processes())

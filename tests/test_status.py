@@ -53,7 +53,7 @@ def test_status_from_real_metrics():
 
 
 def test_status_cli_unreachable_gives_one_line_error():
-    r = subprocess.run([sys.executable, "-m", "node.ops.cli", "status", "127.0.0.1:1", "--timeout", "2"],
+    r = subprocess.run([sys.executable, "-m", "node.cli", "status", "127.0.0.1:1", "--timeout", "2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from node.ops import train
-from node.ops.train_local import ResumeError
+from node.ops.local_chain import ResumeError
 from stages import load_corpus
 from tests.helpers.scripts import ROOT
 
@@ -69,14 +69,14 @@ def test_checkpoint_resume_continues_exactly(test_manifest, corpus, tmp_path):
 def _cli_subprocess(args, cache_dir, timeout=180):
     env = dict(os.environ, SWARM_NODE_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "node.ops.cli", "train-local", *args],
+        [sys.executable, "-m", "node.cli", "train-local", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
 
 def _cli_in_process(args):
     """The subcommand's main with the real parser, minus the process (and its logging setup)."""
-    from node.ops.cli import build_parser
+    from node.cli import build_parser
 
     ns = build_parser().parse_args(["train-local", *args])
     return ns._main(ns)
@@ -104,7 +104,7 @@ def test_cli_end_to_end(corpus, cache_dir, tmp_path, monkeypatch, capsys):
     assert summary["start_step"] == 3 and summary["steps"] == 5
     assert len(jl.read_text().splitlines()) > len(records)  # appended
 
-    from node.ops import CliError
+    from node.base import CliError
 
     for args, message in [
         (["--manifest", "test", "--resume"], "--resume needs --checkpoint-dir"),

@@ -1,5 +1,7 @@
-"""node/net/: networking — the libp2p stream transport, identity keys, DHT membership and the
-manifest check, routing, state sync for joiners, replica averaging, and the py-libp2p probe.
+"""node/net/: networking — the libp2p stream transport, identity keys, the DHT process, membership
+and the manifest check, routing, state sync for joiners, replica averaging, the py-libp2p probe,
+and every patch of hivemind's behaviour (``hivemind_patches.py``). Above ``node.base``, below
+``node.runtime``.
 
 The names other rooms may use; each module is imported on first use of one of its names, so
 ``import node.net`` pulls in no hivemind (the py-libp2p probe process must never load it)."""
@@ -14,36 +16,36 @@ _EXPORTS = {
     "ForgeryCounter": "node.net.records",
     "ephemeral_identity": "node.net.identity",
     "run_namespace": "node.net.membership",
-    "BootstrapError": "node.net.membership",
+    "BootstrapError": "node.net.dht",
     "CapacityMeter": "node.net.routing",
     "ConnectionTracker": "node.net.connections",
     "DaemonMetrics": "node.net.connections",
     "is_relayed": "node.net.connections",
     "poll_connections": "node.net.connections",
-    "IdentityInUse": "node.net.membership",
+    "IdentityInUse": "node.net.dht",
     "ManifestMismatch": "node.net.membership",
     "Membership": "node.net.membership",
-    "PeerBusy": "node.net.p2p",
+    "PeerBusy": "node.net.calling",
     "PeerRecord": "node.net.membership",
-    "PeerRejected": "node.net.p2p",
-    "PeerUnreachable": "node.net.p2p",
+    "PeerRejected": "node.net.calling",
+    "PeerUnreachable": "node.net.calling",
     "ReplicaAverager": "node.net.averaging",
     "Router": "node.net.routing",
     "StateSyncError": "node.net.state_sync",
     "Transport": "node.net.p2p",
-    "anonymous_identity_in_use": "node.net.identity",
+    "anonymous_identity_in_use": "node.net.presence",
     "averaging_prefix": "node.net.averaging",
     "check_identity": "node.net.identity",
     "choose_stage": "node.net.membership",
     "copy_state": "node.net.state_sync",
     "fetch_from_replicas": "node.net.state_sync",
-    "p2p_options": "node.net.membership",
+    "p2p_options": "node.net.dht",
     "parameters_of": "node.net.state_sync",
     "serve_state": "node.net.state_sync",
-    "start_daemon": "node.net.p2p",
-    "start_dht": "node.net.membership",
+    "start_daemon": "node.net.p2pd",
+    "start_dht": "node.net.dht",
     "start_failure_line": "node.net.reach",
-    "stop_dht": "node.net.membership",
+    "stop_dht": "node.net.dht",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -34,8 +34,8 @@ weights in different bases, so a group whose epochs differ, or a round during wh
 entered a new epoch, is thrown away too (``rounds_epoch_discarded``): averages are taken within
 one epoch only.
 
-hivemind constraints handled here: the averager is a child process (fork) that must be started
-from the main thread (it sets a SIGINT handler; we restore the caller's afterwards); the
+hivemind constraints handled here: the averager is a child process (fork, dying with the node:
+``node.net.hivemind_patches.SwarmAverager``) that must be started from the main thread (it sets a SIGINT handler; we restore the caller's afterwards); the
 averaged buffer is shared memory updated in place under the averager's lock; hivemind calls
 that wait on its process run on one worker thread, never on the caller's.
 """
@@ -48,11 +48,11 @@ import math
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from node.net.averaging_round import AveragingStats, Round, run_round
 from stages import BlendedDelta, PartitionSchedule, StalenessCorrection, apply_average_delta, first_moments, snapshot
 
 log = logging.getLogger("swarm.averaging")
@@ -61,50 +61,6 @@ log = logging.getLogger("swarm.averaging")
 def averaging_prefix(run_id: str, stage: int) -> str:
     """The matchmaking key of a stage's replicas; hivemind forbids '.' in it."""
     return f"{run_id.replace('.', '_')}_stage{stage}_avg"
-
-
-@dataclass
-class AveragingStats:
-    """Counters for metrics. Bytes are all-reduce payload bytes (float32 slice), computed from
-    hivemind's butterfly schedule with an equal split: each of g peers sends and receives
-    2·(g−1)/g of the buffer per round; framing overhead is not included."""
-
-    rounds_started: int = 0
-    rounds_applied: int = 0
-    rounds_failed: int = 0
-    rounds_mismatched: int = 0
-    rounds_epoch_discarded: int = 0  # rounds thrown away because they spanned morph epochs
-    rounds_state_replaced: int = 0  # rounds thrown away because this replica adopted other weights meanwhile
-    skipped_alone: int = 0
-    skipped_busy: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    last_group_size: int = 0
-    last_moment_lambda: float = 0.0  # mean β^s applied to the moments' delta (0: not averaged)
-    last_elapsed_steps: int = 0
-    last_round: int = -1  # number of the last applied round (its slice: schedule.indices(last_round))
-    last_snapshot_step: int = -1  # local step at which the last applied round took its snapshot
-    last_delta_norm: float = 0.0
-    last_round_seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class _Round:
-    number: int
-    start_step: int
-    indices: list[torch.Tensor]
-    snap: torch.Tensor
-    moment_snap: torch.Tensor | None
-    moment_mask: list[bool]
-    started: float
-    epoch: int = 0  # this replica's morph epoch at the snapshot
-    replaced: bool = False  # the replica's weights were replaced (re-sync) after the snapshot
-    find_until: float = 0.0  # unix time at which matchmaking gives up (set by _begin)
-    future: concurrent.futures.Future | None = None
-    control: object = None  # hivemind StepControl, set by the worker; close() cancels it
 
 
 class ReplicaAverager:
@@ -189,7 +145,7 @@ class ReplicaAverager:
         )
         self._averager = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._round: _Round | None = None
+        self._round: Round | None = None
         self._next_due: int | None = None
         # the clock slots (module docstring): a slot is joined `lead` seconds ahead, enough for
         # hivemind's matchmaking (min_matchmaking_time) and one request round trip
@@ -209,7 +165,9 @@ class ReplicaAverager:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("ReplicaAverager.start() must run on the main thread (hivemind forks and sets signals)")
         previous = signal.getsignal(signal.SIGINT)
-        averager = _averager_class()([self._buffer], self.dht, start=False, **self._averager_kwargs)
+        from node.net.hivemind_patches import SwarmAverager
+
+        averager = SwarmAverager([self._buffer], self.dht, start=False, **self._averager_kwargs)
         try:
             averager.run_in_background(await_ready=True, timeout=max(30.0, self.timeout))
         except BaseException:
@@ -254,10 +212,6 @@ class ReplicaAverager:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    @property
-    def round_in_flight(self) -> bool:
-        return self._round is not None
 
     # ------------------------------------------------------------------ the training-loop hook
 
@@ -353,7 +307,7 @@ class ReplicaAverager:
             moments, _ = self._moments()
             mask = [m is not None for m in moments]
             moment_snap = snapshot(moments, indices)
-        rnd = _Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic(), self._epoch())
+        rnd = Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic(), self._epoch())
         # matchmaking may retry until just before this replica's next slot (never less than
         # ``lead`` after the start): a replica of the slot that was not found at its start (a
         # loaded machine, a lost request) is still met, and the next slot is never missed for it
@@ -435,60 +389,9 @@ class ReplicaAverager:
 
     # ------------------------------------------------------------------ worker thread
 
-    def _run_round(self, rnd: _Round) -> tuple[torch.Tensor, list[int], list[list[bool]], list[int]]:
+    def _run_round(self, rnd: Round) -> tuple[torch.Tensor, list[int], list[list[bool]], list[int]]:
         averager = self._averager
         if averager is None:
             raise RuntimeError("closed")
-        n, m0 = rnd.snap.numel(), self.schedule.max_size
-        with averager.get_tensors() as (buf,):
-            buf.zero_()
-            buf[:n].copy_(rnd.snap)
-            if rnd.moment_snap is not None:
-                buf[m0 : m0 + n].copy_(rnd.moment_snap)
-        gather = {"round": rnd.number, "moments": rnd.moment_mask, "epoch": rnd.epoch}
-        # the slot's number is the group key: only replicas joining the same slot meet
-        averager.set_group_bits(format(rnd.number % (1 << 16), "016b"))
-        start = rnd.number * self.period
-        # matchmaking ends at ``find_until`` (before this replica's next slot), not after
-        # avg_timeout_s: retrying that long held a replica that found no group busy through its
-        # next slots, the ones where the others were (the all-reduce keeps avg_timeout_s)
-        now = self.clock()
-        find = max(rnd.find_until, max(start, now) + self.lead) - now  # at least lead after the start
-        rnd.control = averager.step(gather=gather, scheduled_time=start, timeout=find, wait=False)
-        gathered = rnd.control.result(timeout=find + self.timeout + 5)
-        if not gathered:
-            raise RuntimeError("no group")
-        rounds, masks, epochs = [], [], []
-        for info in gathered.values():
-            r = info.get("round") if isinstance(info, dict) else None
-            mask = info.get("moments") if isinstance(info, dict) else None
-            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < 2**62:
-                raise RuntimeError(f"bad round number from a peer: {str(info)[:100]}")
-            if not isinstance(mask, list) or len(mask) != len(rnd.moment_mask) or not all(
-                isinstance(x, bool) for x in mask
-            ):
-                raise RuntimeError(f"bad moment mask from a peer: {str(info)[:100]}")
-            epoch = info.get("epoch", 0)  # absent: a replica that does not morph
-            if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**62:
-                raise RuntimeError(f"bad morph epoch from a peer: {str(info)[:100]}")
-            rounds.append(r)
-            masks.append(mask)
-            epochs.append(epoch)
-        with averager.get_tensors() as (buf,):
-            averaged = buf.clone()
-        return averaged, rounds, masks, epochs
-
-
-def _averager_class():
-    """hivemind's averager whose child process dies with the node (even after ``kill -9`` of the
-    node alone), like the DHT process in node/net/membership.py."""
-    from hivemind.averaging import DecentralizedAverager
-
-    from node.ops import set_parent_death_signal
-
-    class _Averager(DecentralizedAverager):
-        def run(self):
-            set_parent_death_signal(signal.SIGKILL)
-            super().run()
-
-    return _Averager
+        return run_round(averager, rnd, max_size=self.schedule.max_size, period=self.period, lead=self.lead,
+                         timeout=self.timeout, clock=self.clock)

@@ -22,10 +22,7 @@ local-only run), so two organisers' runs never share records even under one run 
 Readers trust only entries whose subkey binds them (a ``peer:`` subkey naming the record's own
 peer id, the ``manifest:`` subkey of the run's organiser) and count the rest as forged.
 
-The DHT runs in a child process (hivemind's design) that starts its own ``p2pd``. The node's
-stream transport shares that daemon through ``await dht.replicate_p2p()``. ``SwarmDHT`` makes
-both children die with the node even on ``kill -9`` (Linux parent-death signal), so a crashed
-node never leaves a ``p2pd`` behind.
+Starting and stopping the DHT process itself is ``node.net.dht``'s.
 """
 
 from __future__ import annotations
@@ -34,21 +31,17 @@ import asyncio
 import functools
 import logging
 import math
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 
 import hivemind
 from hivemind.utils import get_dht_time
 
-from node.net.p2p import split_peer, static_relays_only
-from node.net.reach import unreachable_line
-from node.net.records import ForgeryCounter, SwarmRecordValidator, manifest_subkey, peer_subkey
+from node.net.p2pd import split_peer
+from node.net.records import manifest_subkey, peer_subkey
 from node.net.routing import announced_rate
-from node.ops import processes, set_parent_death_signal
 from protocol import PROTOCOL_VERSION
-from security import PeerKey, organiser_fingerprint
+from security import organiser_fingerprint
 from stages import (
     Manifest,
     ManifestError,
@@ -63,14 +56,6 @@ log = logging.getLogger("swarm_node.membership")
 STATES = ("joining", "online", "draining", "offline")
 
 
-class BootstrapError(Exception):
-    """No initial peer answered; the message names them and the fix."""
-
-
-class IdentityInUse(Exception):
-    """Another online peer already uses this identity key."""
-
-
 class ManifestMismatch(Exception):
     """Our manifest differs from the swarm's; ``fields`` names the differing consensus fields."""
 
@@ -81,204 +66,6 @@ class ManifestMismatch(Exception):
             f"manifest mismatch for run {run!r}: this node's manifest differs from the swarm's in {shown} "
             f"(swarm hash {theirs[:12]}, ours {ours[:12]}); use the swarm's manifest file"
         )
-
-
-# ---------------------------------------------------------------- the DHT process
-
-
-def _children_of(pid: int) -> list[int]:
-    return [p.pid for p in processes() if p.ppid == pid]
-
-
-_DEATH_SIGNAL = signal.SIGUSR2
-
-
-class SwarmDHT(hivemind.DHT):
-    """``hivemind.DHT`` whose child process (and its ``p2pd``) dies with the node.
-
-    Must be started from the main thread: the parent-death signal fires when the *thread* that
-    forked the child exits.
-
-    ``daemon_metrics_addr`` (``host:port``, set before starting): p2pd also serves go-libp2p's own
-    Prometheus metrics there (``-metricsAddr``; hivemind has no switch for it, so the child adds
-    it to the daemon's command line), which is where hole-punch outcomes are counted
-    (``node.net.connections.DaemonMetrics``).
-    """
-
-    daemon_metrics_addr: str | None = None
-
-    @property
-    def daemon_metrics_url(self) -> str | None:
-        return f"http://{self.daemon_metrics_addr}/metrics" if self.daemon_metrics_addr else None
-
-    def run(self) -> None:
-        parent = self._parent_pid
-        if self.daemon_metrics_addr:
-            _add_daemon_flag("metricsAddr", self.daemon_metrics_addr)
-        # Our own process group: a signal to the node's group (Ctrl-C in a terminal, `timeout`,
-        # systemd) must not kill the DHT or its p2pd under the node's feet; the node stops them in
-        # order. If the node itself dies, the parent-death signal takes them down.
-        try:
-            os.setpgid(0, 0)
-        except OSError:
-            pass
-
-        def on_parent_death(signum, frame):
-            for child in _children_of(os.getpid()):  # our p2pd
-                try:
-                    os.kill(child, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            os._exit(0)
-
-        signal.signal(_DEATH_SIGNAL, on_parent_death)
-        signal.signal(signal.SIGTERM, on_parent_death)
-        set_parent_death_signal(_DEATH_SIGNAL)
-        if os.getppid() != parent:  # the node died before we set the signal
-            on_parent_death(_DEATH_SIGNAL, None)
-        static_relays_only()  # this process starts the p2pd
-        super().run()
-
-
-def _add_daemon_flag(name: str, value: str) -> None:
-    """In the DHT's child process only: every p2pd that hivemind starts here gets ``-name=value``."""
-    from hivemind.p2p import P2P
-
-    make_args = P2P._make_process_args
-
-    def with_flag(*args, **kwargs):
-        return make_args(*args, **{**kwargs, name: value})
-
-    P2P._make_process_args = staticmethod(with_flag)
-
-
-def p2p_options(local: bool, initial_peers: list[str] | tuple = ()) -> dict:
-    """hivemind P2P options: loopback swarms switch off NAT port mapping, relays and AutoNAT.
-
-    A public node has all of them: it relays for others (circuit relay v2, p2pd's relay service),
-    answers AutoNAT dial-backs and hole-punches (p2pd enables DCUtR with AutoNAT), maps a port
-    by UPnP/NAT-PMP where the router offers it, and runs auto-relay with its initial peers as
-    static relays: when AutoNAT finds that nobody can dial it (behind NAT), it reserves a slot at
-    one of them and announces ``/p2p/<relay>/p2p-circuit`` addresses, which the other nodes dial
-    (docs/NODE.md, "Behind NAT")."""
-    if local:
-        return dict(use_relay=False, use_auto_relay=False, auto_nat=False, nat_port_map=False)
-    opts = dict(use_relay=True, use_auto_relay=False, auto_nat=True, nat_port_map=True)
-    if initial_peers:
-        opts.update(use_auto_relay=True, trusted_relays=list(initial_peers))
-    return opts
-
-
-def start_dht(
-    initial_peers: list[str],
-    host_maddrs: list[str],
-    announce_maddrs: list[str] | None = None,
-    identity_path: str | None = None,
-    local: bool = False,
-    retries: int = 4,
-    timeout: float = 15.0,
-    retry_delay: float = 1.0,
-    forgeries: ForgeryCounter | None = None,
-    daemon_metrics: bool | None = None,
-) -> SwarmDHT:
-    """Start the DHT (and its p2pd), bootstrapping from ``initial_peers`` with retries.
-
-    Every record passes ``records.SwarmRecordValidator``: this node's own announcements are signed
-    with the key in ``identity_path`` (a node started without one validates only), and forged ones
-    are refused and counted in ``forgeries``. Raises ``BootstrapError`` naming the peers and the fix
-    when none answers after ``retries`` attempts, ``IdentityInUse`` when the key's peer id is
-    already online. Call from the main thread.
-
-    ``daemon_metrics``: p2pd serves its own Prometheus metrics on a free loopback port
-    (``dht.daemon_metrics_url``); default: when hole punching is on (``auto_nat``), since its
-    outcomes are what the node re-exports from there. The port is picked free just before the
-    daemon starts; should another process take it meanwhile, p2pd only logs that and runs on
-    without the endpoint, and the node reports no hole-punch numbers.
-    """
-    if daemon_metrics is None:
-        daemon_metrics = bool(p2p_options(local)["auto_nat"])
-    key = PeerKey(open(identity_path, "rb").read()) if identity_path else None
-    kwargs = dict(
-        host_maddrs=host_maddrs,
-        announce_maddrs=announce_maddrs or None,
-        identity_path=identity_path or None,
-        record_validators=[SwarmRecordValidator(key, forgeries)],
-        startup_timeout=timeout,
-        bootstrap_timeout=min(timeout, 5.0),
-        wait_timeout=3,
-        shutdown_timeout=5,
-        # hivemind's own check assumes RSA keys and spawns a second daemon; `swarm-node run`
-        # checks with node.net.identity.anonymous_identity_in_use before starting the DHT
-        check_if_identity_free=False,
-        **p2p_options(local, initial_peers),
-    )
-    last: Exception | None = None
-    for attempt in range(max(1, retries)):
-        dht = SwarmDHT(initial_peers=initial_peers or None, start=False, **kwargs)
-        if daemon_metrics:
-            from node.net.connections import free_tcp_port
-
-            dht.daemon_metrics_addr = f"127.0.0.1:{free_tcp_port()}"
-        try:
-            dht.run_in_background(await_ready=True, timeout=timeout + 5)
-            return dht
-        except Exception as e:  # noqa: BLE001 - classified below, re-raised with the fix
-            last = e
-            _stop(dht)
-            text = str(e)
-            if "already taken" in text or "identity" in text.lower() and "taken" in text.lower():
-                raise IdentityInUse(
-                    f"identity {identity_path} is already online in this swarm (peer id in use); "
-                    "stop the other node or use another key (swarm-node keygen)"
-                ) from None
-            # p2pd connects to its initial peers before it says it is ready: a start that ends in
-            # "failed to connect to bootstrap peers", or that times out (a peer that never answers
-            # or never completes the libp2p handshake), is a reachability problem
-            reach = "bootstrap" in text.lower() or "failed to start in" in text or isinstance(e, TimeoutError)
-            if not initial_peers or not reach:
-                raise  # not a reachability problem: retrying will not help
-            log.warning("bootstrap attempt %d/%d failed: %s", attempt + 1, retries, text.strip()[:200])
-            if attempt + 1 < retries:
-                time.sleep(retry_delay * 2**attempt)
-    log.info("p2pd's last word: %s", str(last).strip()[:300])
-    raise BootstrapError(unreachable_line(initial_peers, max(1, retries)))
-
-
-def _stop(dht: hivemind.DHT) -> None:
-    try:
-        if dht.is_alive():
-            dht.shutdown()
-    except Exception:  # noqa: BLE001 - best effort on a failed start
-        pass
-    if dht.is_alive():
-        dht.terminate()
-        dht.join(3)
-
-
-def stop_dht(dht: hivemind.DHT, timeout: float = 5.0) -> None:
-    """Shut the DHT process and its p2pd down; kill leftovers by pid if they do not go in time."""
-    pid = dht.pid
-    daemons = _children_of(pid) if pid else []
-    try:
-        dht.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
-    if dht.is_alive():
-        dht.terminate()
-        dht.join(timeout)
-    deadline = time.monotonic() + timeout
-    for d in daemons:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(d, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            try:
-                os.kill(d, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 # ---------------------------------------------------------------- records
@@ -424,13 +211,14 @@ class Membership:
         return self.dht.store(self.key_manifest, self._manifest_value(), get_dht_time() + self.ttl * 3,
                               subkey=self.manifest_subkey, **kwargs)
 
-    def check_and_publish_manifest(self) -> bool:
+    def check_and_publish_manifest(self, timeout: float = 30.0) -> bool:
         """Raise ``ManifestMismatch`` if the swarm runs a different manifest; publish ours if none is
-        published yet. Returns True when the swarm already had (our) manifest."""
-        found = self.dht.get(self.key_manifest, latest=True)
+        published yet. Returns True when the swarm already had (our) manifest. Each DHT call waits
+        at most ``timeout`` seconds (``TimeoutError`` naming it)."""
+        found = _within(self.dht.get(self.key_manifest, latest=True, return_future=True), timeout, "manifest read")
         if self._check_published(found):
             return True
-        self._store_manifest()
+        _within(self._store_manifest(return_future=True), timeout, "manifest store")
         return False
 
     async def arefresh_manifest(self, timeout: float = 10.0) -> None:
@@ -458,17 +246,14 @@ class Membership:
                 out[rec.peer_id] = rec
         return list(out.values())
 
-    def peers(self) -> list[PeerRecord]:
-        return self._parse_peers(self.dht.get(self.key_peers, latest=True))
+    def peers(self, timeout: float = 30.0) -> list[PeerRecord]:
+        """The swarm's peer records (blocking; at most ``timeout`` seconds, ``TimeoutError`` naming it)."""
+        return self._parse_peers(_within(self.dht.get(self.key_peers, latest=True, return_future=True),
+                                         timeout, "peer records read"))
 
     async def apeers(self, timeout: float = 10.0) -> list[PeerRecord]:
         found = await asyncio.wait_for(self.dht.get(self.key_peers, latest=True, return_future=True), timeout)
         return self._parse_peers(found)
-
-    def announce(self, record: PeerRecord) -> bool:
-        record.time = time.time()
-        return bool(self.dht.store(self.key_peers, record.to_value(), get_dht_time() + self.ttl,
-                                   subkey=self.subkey))
 
     async def aannounce(self, record: PeerRecord, ttl: float | None = None, timeout: float = 10.0) -> bool:
         record.time = time.time()
@@ -546,3 +331,15 @@ async def _ping_all(peer_ids: list[str], dht, node) -> int:
     got = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(p), validate=False) for p in peer_ids),
                                return_exceptions=True)
     return sum(1 for g in got if g is not None and not isinstance(g, BaseException))
+
+
+def _within(future, timeout: float, what: str):
+    """The result of a hivemind DHT call made with ``return_future=True``, waited for at most
+    ``timeout`` seconds: a DHT that does not answer is one ``TimeoutError`` naming the call."""
+    import concurrent.futures
+
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"the DHT did not answer the {what} within {timeout:g} s") from None

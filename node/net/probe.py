@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.ops import CliError
+from node.base import CliError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import socket
 
+from node.net.connections import is_relayed
+
 BOOTSTRAP_FIX = "check that the bootstrap peer is running and the multiaddr (address, port and /p2p/ id) is what " \
                 "`swarm-node bootstrap` printed"
 
@@ -29,10 +31,6 @@ def tcp_endpoint(maddr: str) -> tuple[str, int] | None:
             except ValueError:
                 return None
     return None
-
-
-def is_relayed(maddr: str) -> bool:
-    return "/p2p-circuit" in maddr
 
 
 def tcp_problem(host: str, port: int, timeout: float = 3.0) -> str | None:

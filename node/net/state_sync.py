@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 import torch
 
-from node.net.p2p import PeerBusy, PeerRejected, PeerUnreachable
+from node.net.calling import PeerBusy, PeerRejected, PeerUnreachable
 from protocol import (
     STATE,
     ProtocolError,

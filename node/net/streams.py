@@ -1,12 +1,13 @@
 """Frame I/O on one libp2p stream (the unix-socket connection p2pd hands us for it): read exactly
 one frame with every limit checked before its body is allocated, the body received straight into
-its final buffer; write a frame's buffers without joining them; close or abort a stream the way
-p2pd needs (a reject must not be overtaken by a reset)."""
+its final buffer; write a frame's buffers without joining them, within a time bound; close or
+abort a stream the way p2pd needs (a reject must not be overtaken by a reset)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,42 @@ READ_CHUNK = 1 << 20
 # this long: closing a libp2p stream with unread data resets it, and a reset can overtake the
 # reject. The caller aborts the stream as soon as it has the reject, which ends the wait.
 LINGER_S = 3.0
+# A frame's write waits for the peer to take its bytes at most max(WRITE_FLOOR_S, its bytes at
+# WRITE_MIN_RATE); then the stream is aborted. A peer that stops reading must not hold the
+# handler slot (or the sender) for ever; a slow link still gets a frame through at 64 KiB/s.
+WRITE_FLOOR_S = 10.0
+WRITE_MIN_RATE = 64 * 1024  # bytes/s
 
+log = logging.getLogger(__name__)
+
+
+class WriteStalled(ConnectionError):
+    """The peer did not take a frame's bytes within the write bound; the stream was aborted.
+    A ``ConnectionError``: every caller already treats it as a broken stream."""
+
+    def __init__(self, nbytes: int, bound_s: float, peer: str | None):
+        super().__init__(f"{peer or 'the peer'} took no {nbytes}-byte frame within {bound_s:.1f} s")
+        self.nbytes, self.bound_s, self.peer = nbytes, bound_s, peer
+
+
+class WriteStalls:
+    """How many frame writes this process aborted because the peer stopped reading."""
+
+    def __init__(self):
+        self.count = 0
+        self.bytes = 0  # the sizes of those frames
+
+    def note(self, nbytes: int) -> None:
+        self.count += 1
+        self.bytes += nbytes
+
+
+STALLS = WriteStalls()
+
+
+def write_bound(nbytes: int) -> float:
+    """Seconds a write of ``nbytes`` may wait for the peer (see ``WRITE_FLOOR_S``)."""
+    return max(WRITE_FLOOR_S, nbytes / WRITE_MIN_RATE)
 
 
 async def read_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -58,12 +94,25 @@ async def read_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     return head.assemble(body), PREFIX_LEN + hlen + head.body_len
 
 
-async def write_frame(writer: asyncio.StreamWriter, buffers: list) -> int:
+async def write_frame(writer: asyncio.StreamWriter, buffers: list, *, peer: str | None = None,
+                      bound_s: float | None = None) -> int:
     """Write an encoded frame: the buffers go to the socket as they are (no join, no copy);
-    returns its bytes."""
+    returns its bytes. The wait for the peer to take them is bounded (``bound_s``, default
+    ``write_bound`` of the frame's size): past it the stream is aborted, the stall counted in
+    ``STALLS`` and logged once (``peer``: who, for that line), and ``WriteStalled`` raised."""
+    nbytes = sum(memoryview(b).nbytes for b in buffers)
     writer.writelines(buffers)
-    await writer.drain()
-    return sum(memoryview(b).nbytes for b in buffers)
+    bound = write_bound(nbytes) if bound_s is None else bound_s
+    try:
+        async with asyncio.timeout(bound):
+            await writer.drain()
+    except TimeoutError:
+        abort_stream(writer)
+        STALLS.note(nbytes)
+        log.info("%s stopped reading: a %d-byte frame not taken within %.1f s; stream aborted",
+                 peer or "a peer", nbytes, bound)
+        raise WriteStalled(nbytes, bound, peer) from None
+    return nbytes
 
 
 def encode_reply(reply: Any) -> list:

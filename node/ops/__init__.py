@@ -1,5 +1,7 @@
-"""node/ops/: operations — the CLI, configuration, doctor, status, metrics, logs, the local
-swarm and demo, bootstrap peer, checkpoints, resources and the single-process reference trainer.
+"""node/ops/: operations — the subcommands' bodies (configuration, doctor, status, the local
+swarm and demo, bootstrap peer, manifest signing, the single-process reference trainer), the
+metrics exporter, start-up checks and resources. Above ``node.net`` and ``node.runtime``, below
+``node.daemon`` and ``node.cli``.
 
 The names other rooms may use, each module imported on first use of one of its names."""
 
@@ -12,9 +14,8 @@ _EXPORTS = {
     "check_port_free": "node.ops.startup",
     "check_signed": "node.ops.startup",
     "fast_exit": "node.ops.startup",
+    "run_and_exit": "node.ops.startup",
     "uvloop_runner": "node.ops.startup",
-    "CheckpointError": "node.ops.checkpoint",
-    "CliError": "node.ops.errors",
     "LocalSwarm": "node.ops.local_swarm",
     "AVERAGING_OUTCOMES": "node.ops.metrics",
     "MetricsServer": "node.ops.metrics",
@@ -22,22 +23,10 @@ _EXPORTS = {
     "PortInUse": "node.ops.metrics",
     "available_device_bytes": "node.ops.resources",
     "estimate_stage_memory": "node.ops.resources",
-    "flatten_module": "node.ops.checkpoint",
-    "flatten_optimizer": "node.ops.checkpoint",
     "fmt_bytes": "node.ops.resources",
-    "load_latest_checkpoint": "node.ops.checkpoint",
-    "main": "node.ops.cli",
     "metric_sum": "node.ops.local_swarm",
     "parse_metrics": "node.ops.local_swarm",
-    "processes": "node.ops.procs",
-    "set_parent_death_signal": "node.ops.procs",
     "resolve_device": "node.ops.resources",
-    "restore_module": "node.ops.checkpoint",
-    "list_checkpoints": "node.ops.checkpoint",
-    "read_checkpoint": "node.ops.checkpoint",
-    "read_json_log": "node.ops.logs",
-    "restore_optimizer": "node.ops.checkpoint",
-    "save_checkpoint": "node.ops.checkpoint",
     "train": "node.ops.train_local",
     "write_manifest": "node.ops.local_swarm",
 }

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import threading
 import time
 
-from node.ops.cli import CliError
+from node.base import CliError
 
 log = logging.getLogger("swarm_node.bootstrap")
 
@@ -33,15 +32,9 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from node.ops.startup import fast_exit
+    from node.ops.startup import run_and_exit
 
-    try:
-        code = _main(args)
-    except CliError as e:
-        print(f"swarm-node: error: {e}", file=sys.stderr)
-        code = 2
-    fast_exit(code)
-    return code  # not reached
+    return run_and_exit(_main, args)
 
 
 def _main(args) -> int:
@@ -97,7 +90,7 @@ def _main(args) -> int:
             membership = Membership(dht, manifest)
             try:
                 membership.check_and_publish_manifest()
-            except ManifestMismatch as e:
+            except (ManifestMismatch, TimeoutError) as e:
                 raise CliError(str(e)) from None
             print(f"swarm-node: published the manifest of run {manifest.run.id}", flush=True)
         last = time.monotonic()

@@ -7,7 +7,7 @@ order flags, environment, file, defaults; so a config file can be shared by a fl
 machine overrides a setting with an environment variable, and a flag overrides both for one run.
 
 Values are typed: a wrong type in any source is an operator mistake and raises
-``node.ops.cli.CliError`` naming the field and the source (``SWARM_NODE_METRICS_PORT: expected an
+``node.base.CliError`` naming the field and the source (``SWARM_NODE_METRICS_PORT: expected an
 integer, got 'abc'``). Unknown keys in the file are errors too, so a typo never silently drops a
 setting.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from node.ops.cli import CliError
+from node.base import CliError
 
 ENV_PREFIX = "SWARM_NODE_"
 

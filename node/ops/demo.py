@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from node.ops.errors import CliError
+from node.base import CliError
 from node.ops.local_swarm import LocalSwarm, NodeProc, metric_sum
 
 

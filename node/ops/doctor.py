@@ -165,17 +165,21 @@ def check_clock() -> Check:
     return Check("clock", "ok", f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(now))}")
 
 
-def check_identity(path: str | None) -> Check:
+def doctor_identity_check(path: str | None) -> Check:
+    """``--identity`` as a doctor line: the file checks a node makes before it uses its key
+    (``node.net.check_identity``), or a warning when there is none."""
+    from node.base import CliError
+    from node.net import check_identity
+
     if not path:
         return Check("identity", "warn", "no --identity given: a fresh identity is used each start; "
                      "create one with `swarm-node keygen KEYFILE`")
-    p = Path(path)
-    if not p.exists():
-        return Check("identity", "fail", f"{p} does not exist; create it with `swarm-node keygen {p}`")
-    mode = stat.S_IMODE(p.stat().st_mode)
-    if mode & 0o077:
-        return Check("identity", "fail", f"{p} has mode {mode:04o}, readable by others; run `chmod 600 {p}`")
-    return Check("identity", "ok", f"{p} mode {mode:04o}")
+    try:
+        peer_id = check_identity(path)
+    except CliError as e:
+        return Check("identity", "fail", str(e))
+    mode = stat.S_IMODE(Path(path).stat().st_mode)
+    return Check("identity", "ok", f"{path} mode {mode:04o}, peer id {peer_id}")
 
 
 def check_reachability(peers: list[str], timeout: float) -> Check:
@@ -259,7 +263,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         checks.append(check_port(port, "p2p"))
     checks.append(check_p2pd())
     checks.append(check_clock())
-    checks.append(check_identity(args.identity))
+    checks.append(doctor_identity_check(args.identity))
     if args.initial_peers:
         checks.append(check_reachability(args.initial_peers, args.timeout))
         if checks[-1].status == "ok" and args.nat_wait > 0:

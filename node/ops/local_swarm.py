@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.ops.procs import processes, set_parent_death_signal
+from node.base import processes, set_parent_death_signal
 
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -134,6 +134,13 @@ class NodeProc:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}"
 
+    def held_stage(self) -> int | None:
+        """The stage it was started with, or (``--stage auto``) the one its output says it holds."""
+        if self.stage is not None:
+            return self.stage
+        m = re.search(r" holds stage (\d+)/", self.output())
+        return int(m.group(1)) if m else None
+
 
 class LocalSwarm:
     """A loopback swarm of separate processes: one bootstrap peer and any number of stage nodes."""
@@ -163,7 +170,7 @@ class LocalSwarm:
 
     def _spawn(self, name: str, argv: list[str]) -> NodeProc:
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
-        cmd = [self.python, "-m", "node.ops.cli", *argv]
+        cmd = [self.python, "-m", "node.cli", *argv]
         with open(out, "wb") as fo, open(err, "wb") as fe:
             # its own session (a signal to ours never reaches it; we stop it in order), and SIGTERM
             # when this launcher dies however it dies, so a killed test or benchmark leaves no node
@@ -218,15 +225,20 @@ class LocalSwarm:
             for n in list(pending):
                 if n.proc.poll() is not None:
                     raise RuntimeError(f"{n.name} exited with {n.proc.returncode}:\n{n.output()}\n{n.logs()[-4000:]}")
-                if self.get(n, "/readyz")[0] == 200:
+                if self.ready(n):
                     pending.remove(n)
-            time.sleep(0.2)
+            if pending:
+                time.sleep(0.2)
         if pending:
             names = ", ".join(n.name for n in pending)
             tails = "\n".join(f"--- {n.name}\n{n.logs()[-3000:]}" for n in pending)
             raise TimeoutError(f"not ready after {timeout:.0f} s: {names}\n{tails}")
 
     # ---- observation
+
+    def ready(self, node: NodeProc) -> bool:
+        """Whether ``node`` answers ``/readyz`` with 200 (online) now."""
+        return self.get(node, "/readyz")[0] == 200
 
     def get(self, node: NodeProc, path: str, timeout: float = 3.0) -> tuple[int, str]:
         try:
@@ -276,20 +288,26 @@ class LocalSwarm:
             pass
 
     def close(self, timeout: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM every process (nodes first, then the bootstrap), wait, SIGKILL what is left."""
-        codes: dict[str, int | None] = {}
-        procs = [n for n in self.nodes] + ([self.bootstrap] if self.bootstrap else [])
-        for n in procs[:-1] if self.bootstrap else procs:
-            if n.proc.poll() is None:
-                n.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for n in self.nodes:
-            try:
-                codes[n.name] = n.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[n.name] = None
+        """SIGTERM every process in pipeline order, wait, SIGKILL what is left: the heads first
+        (each drains its in-flight microbatches while the stages they pass through still serve),
+        then every other node at once, then the bootstrap. ``timeout`` bounds each of the two
+        waves. Stopped all at once, a head's drain would wait ``--drain-timeout`` for replies
+        from stages already gone."""
+        codes: dict[str, int | None] = {n.name: None for n in self.nodes}
+        heads = [n for n in self.nodes if n.held_stage() == 0]
+        for wave in (heads, [n for n in self.nodes if n not in heads]):
+            for n in wave:
+                if n.proc.poll() is None:
+                    n.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for n in wave:
+                try:
+                    codes[n.name] = n.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    codes[n.name] = None
+        procs = [*self.nodes, *([self.bootstrap] if self.bootstrap else [])]
         if self.bootstrap is not None:
-            codes["bootstrap"] = self.stop(self.bootstrap, timeout=max(5.0, deadline - time.monotonic()))
+            codes["bootstrap"] = self.stop(self.bootstrap, timeout=max(5.0, timeout))
         for n in procs:
             self._reap_group(n)
             if n.proc.poll() is None:

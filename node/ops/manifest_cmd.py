@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from node.ops.errors import CliError
+from node.base import CliError
 
 
 def add_arguments(p) -> None:

@@ -1,26 +1,18 @@
-"""Prometheus metrics and the node's tiny HTTP server: ``/metrics``, ``/healthz``, ``/readyz``,
-and ``/status`` (one JSON object: stage, state, version, loss, tokens/s, microbatch round trips).
+"""Prometheus metrics: the node's metric families (``NodeMetrics``). The families read at scrape
+time live in ``metrics_collectors``, the HTTP server (``/metrics``, ``/healthz``, ``/readyz``,
+``/status``) in ``metrics_server``; both are re-exported here.
 
 Every metric lives in the node's own ``CollectorRegistry`` (never the process-global one), so
 several nodes can run in one test process and nothing third-party leaks into the scrape. Names
 start with ``swarm_node_``; docs/METRICS.md is the operator's reference.
-
-The HTTP server runs in its own thread: a scrape must answer even while the event loop is busy,
-and ``/healthz`` is exactly the check that the event loop is *not* stuck: the loop stamps a
-heartbeat every second and ``/healthz`` fails when the stamp is older than ``stall_after`` s.
-``/readyz`` is 200 only while the node is ``online`` (joined, state downloaded, serving).
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -28,14 +20,32 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from protocol import PROTOCOLS
+from node.ops.metrics_collectors import (
+    AVERAGING_OUTCOMES,
+    AVERAGING_ROUNDS,
+    AVERAGING_SKIPS,
+    _Averaging,
+    _ComputeBusy,
+    _Connections,
+    _Forged,
+    _HolePunch,
+    _NeighbourBytes,
+    _WireBytes,
+)
+from node.ops.metrics_server import MetricsServer, PortInUse
+
+__all__ = [
+    "AVERAGING_OUTCOMES", "AVERAGING_ROUNDS", "AVERAGING_SKIPS", "COMPUTE_FAILURE_ERRORS", "STATES", "MetricsServer",
+    "NodeMetrics", "PortInUse", "_WireBytes",
+]
 
 STATES = ("starting", "joining", "online", "draining", "offline")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+# distinct ``error`` label values of swarm_node_compute_failures_total; later classes count as "other"
+COMPUTE_FAILURE_ERRORS = 20
 
 
 class NodeMetrics:
@@ -79,6 +89,11 @@ class NodeMetrics:
                                 ["protocol", "result"], registry=r)
         self.served = Counter("swarm_node_served", "Incoming requests by protocol and result",
                               ["protocol", "result"], registry=r)
+        self.compute_failures = Counter("swarm_node_compute_failures",
+                                        "Failures of stage code (the microbatch dropped) by direction and exception "
+                                        "class", ["direction", "error"], registry=r)
+        self._failure_errors: set[str] = set()
+        self._failure_lock = threading.Lock()
         self._wire_source = None
         self._forged_source = None
         r.register(_WireBytes(self))
@@ -149,6 +164,18 @@ class NodeMetrics:
         if self.peer_requests is not None and peer:
             self.peer_requests.labels(peer=peer, protocol=protocol, result=result).inc()
 
+    def compute_failure(self, direction: str, error: str) -> None:
+        """Count one failure of stage code (``node.runtime.failures``): ``direction`` one of fwd,
+        bwd, head, average; ``error`` the exception's class name, a label value of its own for the
+        first ``COMPUTE_FAILURE_ERRORS`` classes seen, ``other`` after (bounded series)."""
+        with self._failure_lock:
+            if error not in self._failure_errors:
+                if len(self._failure_errors) < COMPUTE_FAILURE_ERRORS:
+                    self._failure_errors.add(error)
+                else:
+                    error = "other"
+        self.compute_failures.labels(direction=direction, error=error).inc()
+
     def set_state(self, state: str) -> None:
         for s in STATES:
             self.state.labels(state=s).set(1.0 if s == state else 0.0)
@@ -197,286 +224,3 @@ class NodeMetrics:
         return generate_latest(self.registry)
 
 
-class _WireBytes:
-    """Collector for ``swarm_node_wire_bytes_total{protocol, direction}``."""
-
-    # protocol id -> label, e.g. /swarm-node/fwd/1 -> fwd (the ids are defined in protocol/)
-    NAMES = {pid: pid.split("/")[2] for pid in PROTOCOLS}
-
-    def __init__(self, metrics: NodeMetrics):
-        self.metrics = metrics
-
-    def describe(self):
-        return [CounterMetricFamily("swarm_node_wire_bytes", "Bytes on our stream protocols",
-                                    labels=["protocol", "direction"])]
-
-    def collect(self):
-        fam = CounterMetricFamily("swarm_node_wire_bytes", "Bytes on our stream protocols",
-                                  labels=["protocol", "direction"])
-        source = self.metrics._wire_source
-        raw: dict = {}
-        if source is not None:
-            for _ in range(3):  # the event loop may add a key while we copy
-                try:
-                    raw = dict(source())
-                    break
-                except RuntimeError:
-                    continue
-        counts = {(p, d): 0 for p in self.NAMES.values() for d in ("in", "out")}
-        for (proto, direction), n in raw.items():
-            key = (self.NAMES.get(proto, proto), direction)
-            counts[key] = counts.get(key, 0) + n
-        for (proto, direction), n in sorted(counts.items()):
-            fam.add_metric([proto, direction], float(n))
-        yield fam
-
-
-class _Forged:
-    """``swarm_node_forged_records_total{kind, check}`` (see ``NodeMetrics.attach_forgeries``)."""
-
-    NAME, HELP = "swarm_node_forged_records", "DHT records refused as forged or unbound to their writer"
-
-    def __init__(self, metrics: NodeMetrics):
-        self.metrics = metrics
-
-    def describe(self):
-        return [CounterMetricFamily(self.NAME, self.HELP, labels=["kind", "check"])]
-
-    def collect(self):
-        source = self.metrics._forged_source
-        counts = source() if source is not None else {}
-        fam = CounterMetricFamily(self.NAME, self.HELP, labels=["kind", "check"])
-        for (kind, check), n in sorted(counts.items()):
-            fam.add_metric([kind, check], float(n))
-        yield fam
-
-
-class _ComputeBusy:
-    """``swarm_node_compute_busy_seconds_total``: time the compute worker spent on jobs;
-    ``rate()`` of it is the stage's utilisation."""
-
-    def __init__(self, metrics: NodeMetrics):
-        self.metrics = metrics
-
-    def describe(self):
-        return [CounterMetricFamily("swarm_node_compute_busy_seconds", "Seconds the compute worker was busy")]
-
-    def collect(self):
-        source = self.metrics._busy_source
-        fam = CounterMetricFamily("swarm_node_compute_busy_seconds", "Seconds the compute worker was busy")
-        fam.add_metric([], float(source()) if source is not None else 0.0)
-        yield fam
-
-
-# the ``outcome`` labels of swarm_node_averaging_rounds_total: rounds (AveragingStats.rounds_<o>),
-# then slots skipped (AveragingStats.<o>)
-AVERAGING_ROUNDS = ("started", "applied", "failed", "mismatched", "epoch_discarded", "state_replaced")
-AVERAGING_SKIPS = ("skipped_alone", "skipped_busy")
-AVERAGING_OUTCOMES = AVERAGING_ROUNDS + AVERAGING_SKIPS
-
-
-class _Averaging:
-    """Collector for the replica averager (AsyncMesh data axis); empty when averaging is off."""
-
-    OUTCOMES = AVERAGING_ROUNDS
-    SKIPS = AVERAGING_SKIPS
-
-    def __init__(self, metrics: NodeMetrics):
-        self.metrics = metrics
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        source = self.metrics._averaging_source
-        if source is None:
-            return
-        try:
-            st = dict(source())
-        except Exception:  # noqa: BLE001 - a scrape must not fail because averaging did
-            return
-        rounds = CounterMetricFamily("swarm_node_averaging_rounds", "Replica averaging rounds by outcome",
-                                     labels=["outcome"])
-        for o in self.OUTCOMES:
-            rounds.add_metric([o], float(st.get(f"rounds_{o}", 0)))
-        for o in self.SKIPS:
-            rounds.add_metric([o], float(st.get(o, 0)))
-        yield rounds
-        b = CounterMetricFamily("swarm_node_averaging_bytes", "Replica averaging payload bytes", labels=["direction"])
-        b.add_metric(["out"], float(st.get("bytes_sent", 0)))
-        b.add_metric(["in"], float(st.get("bytes_received", 0)))
-        yield b
-        yield GaugeMetricFamily("swarm_node_averaging_group_size", "Replicas in the last averaging group",
-                                value=float(st.get("last_group_size", 0)))
-        yield GaugeMetricFamily("swarm_node_averaging_round_seconds", "Duration of the last averaging round",
-                                value=float(st.get("last_round_seconds", 0.0)))
-
-
-def _read(source, default):
-    """Call a scrape-time source; a source that fails gives ``default`` (a scrape never fails)."""
-    if source is None:
-        return default
-    for _ in range(3):  # the event loop may change a dict while we copy it
-        try:
-            return source()
-        except RuntimeError:
-            continue
-        except Exception:  # noqa: BLE001
-            return default
-    return default
-
-
-class _NeighbourBytes:
-    """``swarm_node_neighbour_bytes_total{peer_stage, direction}``."""
-
-    NAME, HELP = "swarm_node_neighbour_bytes", "Bytes exchanged with the peers of a neighbour stage"
-
-    def __init__(self, metrics: NodeMetrics):
-        self.metrics = metrics
-
-    def describe(self):
-        return [CounterMetricFamily(self.NAME, self.HELP, labels=["peer_stage", "direction"])]
-
-    def collect(self):
-        fam = CounterMetricFamily(self.NAME, self.HELP, labels=["peer_stage", "direction"])
-        counts = dict(_read(self.metrics._neighbour_bytes_source, {}) or {})
-        for (stage, direction), n in sorted(counts.items()):
-            fam.add_metric([str(stage), direction], float(n))
-        yield fam
-
-
-class _Connections:
-    """The daemon's open connections, direct or relayed (``node.net.connections.ConnectionTracker``)."""
-
-    def __init__(self, metrics: NodeMetrics):
-        self.metrics = metrics
-
-    def _families(self):
-        return (
-            GaugeMetricFamily("swarm_node_connections", "Open libp2p connections by kind (direct, relayed)",
-                              labels=["kind"]),
-            GaugeMetricFamily("swarm_node_connected_peers",
-                              "Connected peers by the stage they hold and their best path (direct, relayed)",
-                              labels=["peer_stage", "kind"]),
-            CounterMetricFamily("swarm_node_relayed_peers",
-                                "Relayed episodes: a peer seen connected only through a relay"),
-            CounterMetricFamily("swarm_node_relay_upgrades",
-                                "Relayed episodes that ended with a direct connection (hole punch or direct dial)"),
-        )
-
-    def describe(self):
-        return list(self._families())
-
-    def collect(self):
-        conns, peers, relayed, upgrades = self._families()
-        snap = _read(self.metrics._connections_source, None) or {}
-        for kind in ("direct", "relayed"):
-            conns.add_metric([kind], float(snap.get("connections", {}).get(kind, 0)))
-        for (stage, kind), n in sorted(snap.get("peers", {}).items()):
-            peers.add_metric([stage, kind], float(n))
-        relayed.add_metric([], float(snap.get("relayed_seen", 0)))
-        upgrades.add_metric([], float(snap.get("upgraded", 0)))
-        yield from (conns, peers, relayed, upgrades)
-
-
-class _HolePunch:
-    """``swarm_node_holepunch_total{side, outcome}``: the daemon's hole punches (DCUtR), re-exported
-    from p2pd's own counters; no samples while the daemon does not report them."""
-
-    NAME, HELP = "swarm_node_holepunch", "Hole punches (DCUtR) by the daemon, by side and outcome"
-
-    def __init__(self, metrics: NodeMetrics):
-        self.metrics = metrics
-
-    def describe(self):
-        return [CounterMetricFamily(self.NAME, self.HELP, labels=["side", "outcome"])]
-
-    def collect(self):
-        fam = CounterMetricFamily(self.NAME, self.HELP, labels=["side", "outcome"])
-        for (side, outcome), n in sorted((_read(self.metrics._holepunch_source, None) or {}).items()):
-            fam.add_metric([side, outcome], float(n))
-        yield fam
-
-
-class MetricsServer:
-    """``/metrics``, ``/healthz`` and ``/readyz`` on a thread; ``port=0`` picks a free port."""
-
-    def __init__(self, metrics: NodeMetrics, host: str = "127.0.0.1", port: int = 9100,
-                 stall_after: float = 15.0):
-        self.metrics = metrics
-        self.stall_after = stall_after
-        self.ready = False
-        self.state = "starting"
-        self.heartbeat = time.monotonic()
-        self.details: dict = {}
-        self.status_fn = None  # () -> dict for /status (the runtime's view: stage, version, loss, rtt, ...)
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's naming
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    body, status, ctype = owner.metrics.render(), 200, CONTENT_TYPE_LATEST
-                elif path == "/healthz":
-                    age = time.monotonic() - owner.heartbeat
-                    ok = age < owner.stall_after
-                    body = json.dumps({"ok": ok, "loop_heartbeat_age_s": round(age, 3),
-                                       "state": owner.state}).encode()
-                    status, ctype = (200 if ok else 503), "application/json"
-                elif path == "/status":
-                    try:
-                        info = owner.status_fn() if owner.status_fn is not None else {}
-                    except Exception as e:  # noqa: BLE001 - a status page must not take the server down
-                        info = {"error": repr(e)}
-                    body = json.dumps({"state": owner.state, **info}).encode()
-                    status, ctype = 200, "application/json"
-                elif path == "/readyz":
-                    body = json.dumps({"ready": owner.ready, "state": owner.state, **owner.details}).encode()
-                    status, ctype = (200 if owner.ready else 503), "application/json"
-                else:
-                    body, status, ctype = b"not found: try /metrics, /healthz, /readyz, /status\n", 404, "text/plain"
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):  # scrapes are not log lines
-                pass
-
-        try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise PortInUse(host, port) from None
-            raise
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self.host = host
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def beat(self) -> None:
-        self.heartbeat = time.monotonic()
-
-    def set_state(self, state: str) -> None:
-        self.state = state
-        self.ready = state == "online"
-        self.metrics.set_state(state)
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-class PortInUse(OSError):
-    def __init__(self, host: str, port: int):
-        super().__init__(errno.EADDRINUSE, f"{host}:{port} is in use")
-        self.host, self.port = host, port

@@ -94,25 +94,27 @@ def available_device_bytes(device: str) -> int:
 
 
 def resolve_device(spec: str) -> str:
-    """``auto`` -> ``cuda`` when available else ``cpu``; validates ``cuda[:N]``."""
+    """The torch device string for ``--device``: ``auto`` -> ``cuda`` when available else
+    ``cpu``; ``cpu``, ``cuda`` and ``cuda:N`` are checked against this machine. Anything else is a
+    ``ValueError`` whose message names the flag and the fix (commands turn it into a ``CliError``)."""
     import torch
 
     spec = (spec or "auto").strip().lower()
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cpu":
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device {spec!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
         return "cpu"
-    if spec.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
-        if ":" in spec:
-            idx = spec.split(":", 1)[1]
-            if not idx.isdigit() or int(idx) >= torch.cuda.device_count():
-                raise ValueError(
-                    f"--device {spec}: no such GPU (this machine has {torch.cuda.device_count()})"
-                )
-        return spec
-    raise ValueError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+    if dev.type != "cuda":
+        raise ValueError(f"--device {spec!r}: unsupported; use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec}: no such GPU (this machine has {torch.cuda.device_count()})")
+    return str(dev)
 
 
 def fmt_bytes(n: float) -> str:

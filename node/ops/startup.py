@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 
-from node.ops.errors import CliError
+from node.base import CliError
 
 
 def fast_exit(code: int) -> None:
@@ -21,6 +21,18 @@ def fast_exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_and_exit(command, *args) -> int:
+    """Run a long-lived command (``run``, ``bootstrap``) and leave with its exit status: an
+    operator mistake (``CliError``) is one line ``swarm-node: error: ...`` and status 2."""
+    try:
+        code = command(*args)
+    except CliError as e:
+        print(f"swarm-node: error: {e}", file=sys.stderr)
+        code = 2
+    fast_exit(code)
+    return code  # not reached
 
 
 def check_port_free(host: str, port: int, what: str, flag: str) -> None:

@@ -27,8 +27,9 @@ def _metrics_url(target: str) -> str:
     return url
 
 
-def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Sample name -> [(labels, value)] from the Prometheus text format."""
+def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)] from the Prometheus text format (``local_swarm.parse_metrics``
+    keys each sample by its printed name and labels instead)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -44,7 +45,7 @@ def _one(samples: dict, name: str, default: float | None = None) -> float | None
 
 
 def status_from_metrics(text: str) -> dict[str, Any]:
-    s = parse_metrics(text)
+    s = metric_samples(text)
     info = (s.get("swarm_node_info") or [({}, 0)])[0][0]
     state = next((lab.get("state") for lab, v in s.get("swarm_node_state", []) if v == 1), "unknown")
     peers = {lab.get("stage", "?"): int(v) for lab, v in s.get("swarm_node_peers", [])}
@@ -156,7 +157,7 @@ def _holepunch(st: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from node.ops.cli import CliError
+    from node.base import CliError
 
     if args.target.startswith("/"):
         import asyncio

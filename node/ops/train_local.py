@@ -5,14 +5,14 @@ its own optimizer, learning-rate schedule and gradient clipping, and they talk t
 boundary codes: the forward passes the code ``c`` (B, L, k) from stage to stage, the backward
 passes ``∂L/∂c`` back, one stage at a time. The only differences from a swarm are that there is
 no network and no staleness, which is what makes this the baseline every swarm figure is
-compared with. ``train(...)`` is the loop as a function; ``main`` is the command around it.
+compared with. ``train(...)`` is the loop as a function, its steps are ``node.ops.local_chain``'s;
+``main`` is the command around it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -39,8 +39,9 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from node.ops.cli import CliError
-    from stages import ManifestError, load_manifest
+    from node.base import CheckpointError, CliError
+    from node.ops.resources import resolve_device
+    from stages import DataError, ManifestError, load_manifest
 
     try:
         manifest = load_manifest(args.manifest)
@@ -52,9 +53,11 @@ def main(args) -> int:
         raise CliError(f"--steps must be positive, got {args.steps}")
     if args.resume and not args.checkpoint_dir:
         raise CliError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    device = resolve_device(args.device)
-    from node.ops.checkpoint import CheckpointError
-    from stages import DataError
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    from node.ops.local_chain import ResumeError, TrainingDiverged
 
     try:
         result = train(
@@ -75,37 +78,6 @@ def main(args) -> int:
                                       "tokens_per_s", "boundary_bytes_per_token", "device", "wall_s")}
     print(json.dumps(summary), flush=True)
     return 0
-
-
-class ResumeError(RuntimeError):
-    """A checkpoint exists but does not belong to this run."""
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
-
-
-def resolve_device(spec: str):
-    """``auto`` -> cuda if available else cpu; ``cuda:N`` checked against the visible devices."""
-    import torch
-
-    from node.ops.cli import CliError
-
-    spec = (spec or "auto").strip().lower()
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(spec)
-    except RuntimeError as e:
-        raise CliError(f"--device {spec!r}: not a device; use auto, cpu, cuda or cuda:N") from e
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CliError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise CliError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    elif dev.type != "cpu":
-        raise CliError(f"--device {spec!r}: unsupported; use auto, cpu, cuda or cuda:N")
-    return dev
 
 
 def train(
@@ -133,307 +105,165 @@ def train(
     ``manifest.morph.every > 0`` morphs every boundary after every ``every``-th step).
     ``corpus`` may be passed to reuse a loaded ``stages.data.Corpus``. ``morph_secret`` fixes the
     secret a morphing run draws its private initialisation and transforms from (default: fresh
-    random bytes, forgotten).
+    random bytes, forgotten). Raises ``ResumeError`` for another run's checkpoint and
+    ``TrainingDiverged`` when the loss stops being finite.
     """
     import torch
 
-    from node.ops.checkpoint import (
-        flatten_module,
-        flatten_optimizer,
-        load_latest_checkpoint,
-        restore_module,
-        restore_optimizer,
-        save_checkpoint,
-    )
-    from stages import (
-        Batches,
-        build_optimizer,
-        build_stage,
-        diff_manifests,
-        lm_loss,
-        load_corpus,
-        lr_at,
-        manifest_from_dict,
-        manifest_hash,
-        set_lr,
-        val_batches,
-    )
+    from node.ops.local_chain import LocalChain
+    from stages import Batches, load_corpus, lr_at, val_batches
 
     t_start = time.perf_counter()
     device = torch.device(device)
     m = manifest
     steps = m.train.steps if steps is None else int(steps)
-    log_every = max(1, log_every or m.train.log_every)
     B, L, accum = m.data.batch_size, m.model.seq_len, m.train.grad_accum
-    use_amp = device.type == "cuda"
+    tokens_per_step = B * L * accum
 
+    # 1. data and the chained stages, resumed from the newest checkpoint if asked
     corpus = corpus if corpus is not None else load_corpus(m.data)
     if not quiet:
         log.info("data: %s", corpus.description)
     batches = Batches(corpus.train, B, L, seed=m.run.seed, shard=0, num_shards=1)
     vbatches = [v.to(device) for v in val_batches(corpus.val, B, L, m.train.val_batches)]
-
-    stages = [build_stage(m, i, device=device) for i in range(m.n_stages)]
-    optims = [build_optimizer(m, s, total_steps=m.schedule.total_steps) for s in stages]
-    mhash = manifest_hash(m)
+    chain = LocalChain(m, device)
     start = 0
     if resume and checkpoint_dir is not None:
-        found = load_latest_checkpoint(checkpoint_dir)
+        found = chain.resume(checkpoint_dir)
         if found is not None:
-            start, tensors, meta = found
-            if meta.get("manifest_hash") != mhash:
-                try:
-                    fields = diff_manifests(manifest_from_dict(meta["manifest"]), m)
-                except Exception:  # an old or foreign meta: the hash alone is the answer
-                    fields = []
-                raise ResumeError(
-                    f"checkpoint {checkpoint_dir} (step {start}) belongs to another run "
-                    f"(differs in: {', '.join(fields) or 'manifest hash'}); use another --checkpoint-dir"
-                )
-            for i, (s, o) in enumerate(zip(stages, optims)):
-                restore_module(s, tensors, prefix=f"stage{i}/model/")
-                restore_optimizer(o, tensors, meta["optim"][i], prefix=f"stage{i}/optim/")
+            start = found
             if not quiet:
                 log.info("resumed from checkpoint at step %d in %s", start, checkpoint_dir)
         elif not quiet:
             log.info("no checkpoint in %s yet: starting from step 0", checkpoint_dir)
-    # architecture warm-up (manifest.warmup): each stage locks/unlocks its own blocks on the shared
-    # schedule, as a swarm node does; groups due by ``start`` keep their checkpointed weights
-    warmups = []
-    if m.warmup.enabled:
-        from stages import ArchWarmup
+    chain.prepare(start, morph_secret)
 
-        warmups = [ArchWarmup(m, s, step=start) for s in stages]
-
-    # morphing (manifest.morph, docs/MORPH.md): every morph.every steps each boundary gets a fresh
-    # transform from a secret drawn here and forgotten; every non-head stage keeps a float64 master
-    # (``morph_secret`` makes it reproducible, for tests and benchmarks). The stages after the head
-    # start from a private initialisation drawn from that secret (a fresh run only): the public one
-    # would let anyone align their frames (docs/MORPH.md)
-    morphs, morph_time = 0, 0.0
-    masters = None
-    if m.morph.enabled:
-        import secrets
-
-        from stages import MorphMaster, private_init
-
-        run_secret = morph_secret if morph_secret is not None else secrets.token_bytes(32)
-        if start == 0:
-            for s in stages[1:]:
-                private_init(s, run_secret)
-        masters = [None] + [MorphMaster(s) for s in stages[1:]]
-
-    def morph(step: int) -> None:
-        import secrets
-
-        from stages import boundary_secret, morph_chain
-
-        secret = secrets.token_bytes(32) if morph_secret is None else boundary_secret(morph_secret, step, -1)
-        morph_chain(stages, secret, step // m.morph.every, kind=m.morph.kind,
-                    epsilon=m.morph.epsilon, optimizers=optims, masters=masters)
-
-    def checkpoint(step: int) -> None:
-        tensors, optim_meta = {}, []
-        for i, (s, o) in enumerate(zip(stages, optims)):
-            tensors.update(flatten_module(s, prefix=f"stage{i}/model/"))
-            ot, om = flatten_optimizer(o, prefix=f"stage{i}/optim/")
-            tensors.update(ot)
-            optim_meta.append(om)
-        meta = {"manifest_hash": mhash, "manifest": m.to_dict(), "run_id": m.run.id, "optim": optim_meta,
-                "kind": "train-local"}
-        path = save_checkpoint(checkpoint_dir, step, tensors, meta)
-        if not quiet:
-            log.info("checkpoint step %d -> %s", step, path)
-
-    def evaluate() -> float:
-        for s in stages:
-            s.eval()
-        total = 0.0
-        with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
-            for ids in vbatches:
-                x = None
-                for s in stages:
-                    x = s(x, ids)
-                total += lm_loss(x, ids).item()
-        for s in stages:
-            s.train()
-        return total / max(1, len(vbatches))
-
-    # preconditioned sharpness (docs/REFERENCES.md §5) every warmup.sharpness_every steps, over the hidden
-    # matrices of all stages on one fixed training batch, P = diag(sqrt(v)+eps) of the stage optimizers
-    sharp_every = m.warmup.sharpness_every
-    sharp_hist: list[tuple[int, float]] = []
-    sharp_state: dict = {}
-
-    def measure_sharpness() -> float:
-        from stages import SharpnessTracker, adam_preconditioner, hidden_matrix_names
-
-        params, precond = [], []
-        for s, o in zip(stages, optims):
-            hidden = set(hidden_matrix_names(s))
-            ps = [p for n, p in s.named_parameters() if n in hidden and p.requires_grad]
-            params += ps
-            pre = adam_preconditioner(o, ps) if precond is not None else None
-            precond = None if pre is None else precond + pre
-        key = tuple(id(p) for p in params)
-        if sharp_state.get("key") != key:  # first call, or blocks unlocked: new parameter set
-            sharp_state.update(key=key, tracker=SharpnessTracker(params, max_iters=5, seed=m.run.seed))
-        ids = batches.batch(0).to(device)
-
-        def loss_fn():
-            x = None
-            for s in stages:
-                x = s(x, ids)
-            return lm_loss(x.float(), ids)
-
-        return float(sharp_state["tracker"].measure(loss_fn, precond=precond))
-
-    jlog = open(json_log, "a", encoding="utf-8") if json_log else None
-    display = _Progress(progress and not quiet, steps)
-    loss_hist: list[tuple[int, float]] = []
-    val_hist: list[tuple[int, float]] = []
+    # 2. the loop: one optimizer step, a morph when due, measurements, the step's log, a checkpoint
+    record = _Record(m, steps, log_every=max(1, log_every or m.train.log_every), json_log=json_log,
+                     display=_Progress(progress and not quiet, steps), quiet=quiet)
+    morphs, morph_time, train_time, tokens, rate_ema = 0, 0.0, 0.0, 0, None
     bnd = {"fwd": 0, "bwd": 0}
-    train_time, tokens, rate_ema = 0.0, 0, None
     step = start
-    updating = False
     try:
         while step < steps:
             t0 = time.perf_counter()
             lr = lr_at(m.schedule, m.optim.lr, step)
-            for w, o in zip(warmups, optims):
-                unlocked = w.apply(step, o)
-                if unlocked and not quiet:
-                    log.info("step %d: warm-up unlocked layers %s", step, unlocked)
-            for o in optims:
-                set_lr(o, lr)
-                o.zero_grad(set_to_none=True)
-            loss_sum, bnd = 0.0, {"fwd": 0, "bwd": 0}
-            for j in range(accum):
-                ids = batches.batch(step * accum + j).to(device, non_blocking=True)
-                loss, fb, bb = _forward_backward(stages, ids, lm_loss, use_amp, device.type, accum)
-                loss_sum += loss
-                bnd["fwd"] += fb
-                bnd["bwd"] += bb
-            loss_val = loss_sum / accum
-            if not math.isfinite(loss_val):
-                raise TrainingDiverged(
-                    f"loss became {loss_val} at step {step}; lower optim.lr or raise schedule.warmup_steps"
-                )
-            updating = True
-            for s, o in zip(stages, optims):
-                if m.optim.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(s.parameters(), m.optim.grad_clip)
-                o.step()
+            unlocked = chain.unlock(step)
+            if unlocked and not quiet:
+                log.info("step %d: warm-up unlocked layers %s", step, unlocked)
+            loss_val, bnd = chain.step(step, lr, batches)
             step += 1
-            if masters is not None and step % m.morph.every == 0:
+            if chain.morph_due(step):
                 t_m = time.perf_counter()
-                morph(step)
+                chain.morph(step)
                 morph_time += time.perf_counter() - t_m
                 morphs += 1
-            updating = False
+            chain.updating = False
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             train_time += dt
-            tokens += B * L * accum
-            rate = B * L * accum / dt
-            rate_ema = rate if rate_ema is None else 0.9 * rate_ema + 0.1 * rate
-            loss_hist.append((step, loss_val))
-            bpt = {k: v / (B * L * accum) for k, v in bnd.items()}
-
+            tokens += tokens_per_step
+            rate_ema = tokens_per_step / dt if rate_ema is None else 0.9 * rate_ema + 0.1 * tokens_per_step / dt
             sharp = None
-            if sharp_every and step % sharp_every == 0:
-                sharp = measure_sharpness()
-                sharp_hist.append((step, sharp))
-                if not quiet:
-                    log.info("step %d: preconditioned sharpness %.4g (adaptive edge of stability 2(1+b1)/((1-b1)lr)"
-                             " = %.4g)", step, sharp, (2 + 2 * m.optim.betas[0]) / ((1 - m.optim.betas[0]) * lr))
-
+            if m.warmup.sharpness_every and step % m.warmup.sharpness_every == 0:
+                sharp = chain.sharpness(batches.batch(0).to(device))
             val = None
             if (m.train.val_every and step % m.train.val_every == 0) or step == steps:
-                val = evaluate()
-                val_hist.append((step, val))
-            display.update(step, loss_val, val_hist[-1][1] if val_hist else None, lr, rate_ema, bpt,
-                           force=val is not None)
-            if step % log_every == 0 or val is not None or step == steps:
-                if not display.live and not quiet:
-                    log.info("%s", display.line(step, loss_val, val_hist[-1][1] if val_hist else None,
-                                                lr, rate_ema, bpt))
-                if jlog:
-                    rec = {"step": step, "loss": loss_val, "lr": lr, "tokens_per_s": rate_ema,
-                           "boundary_bytes_per_token": bpt, "time": time.time()}
-                    if val is not None:
-                        rec["val_loss"] = val
-                    if sharp is not None:
-                        rec["sharpness"] = sharp
-                    if masters is not None:
-                        rec["morph_epoch"] = step // m.morph.every
-                    jlog.write(json.dumps(rec) + "\n")
-                    jlog.flush()
+                val = chain.evaluate(vbatches)
+            record.step(step, loss_val, lr, rate_ema, {k: v / tokens_per_step for k, v in bnd.items()}, val, sharp,
+                        chain.masters is not None)
             if checkpoint_dir is not None and (
                 (m.train.checkpoint_every and step % m.train.checkpoint_every == 0) or step == steps
             ):
-                checkpoint(step)
+                _checkpoint(chain, checkpoint_dir, step, quiet)
     except KeyboardInterrupt:
-        display.close()
-        if checkpoint_dir is not None and not updating and step > start:
-            checkpoint(step)
+        record.close()
+        if checkpoint_dir is not None and not chain.updating and step > start:
+            _checkpoint(chain, checkpoint_dir, step, quiet)
         raise
     finally:
-        display.close()
-        if jlog:
-            jlog.close()
+        record.close()
 
-    losses = [v for _, v in loss_hist]
-    head = losses[: min(10, len(losses))]
-    tail = losses[-min(10, len(losses)):]
+    # 3. the summary
     return {
         "start_step": start,
         "steps": step,
-        "loss_history": loss_hist,
-        "val_history": val_hist,
-        "sharpness_history": sharp_hist,
-        "val_loss": val_hist[-1][1] if val_hist else None,
-        "loss_start": sum(head) / len(head) if head else None,
-        "loss_end": sum(tail) / len(tail) if tail else None,
+        **record.summary(),
         "tokens": tokens,
         "tokens_per_s": tokens / train_time if train_time > 0 else None,
-        "boundary_bytes_per_token": {k: v / max(1, B * L * accum) for k, v in bnd.items()},
+        "boundary_bytes_per_token": {k: v / max(1, tokens_per_step) for k, v in bnd.items()},
         "device": str(device),
         "morphs": morphs,
         "morph_time_s": morph_time,
         "wall_s": time.perf_counter() - t_start,
-        "stages": stages,
+        "stages": chain.stages,
     }
 
 
-def _forward_backward(stages, ids, lm_loss, use_amp: bool, device_type: str, accum: int):
-    """One microbatch through the chain, then back through it one stage at a time.
+def _checkpoint(chain, checkpoint_dir, step: int, quiet: bool) -> None:
+    path = chain.checkpoint(checkpoint_dir, step)
+    if not quiet:
+        log.info("checkpoint step %d -> %s", step, path)
 
-    Each stage's input code is a fresh leaf, as on a swarm node: the tail's backward yields
-    ∂L/∂c for the code it received, which is handed to the previous stage's backward.
-    Returns (loss, forward boundary bytes, backward boundary bytes).
-    """
-    import torch
 
-    inputs, outputs = [], []
-    x = None
-    fwd_bytes = bwd_bytes = 0
-    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_amp):
-        for s in stages:
-            if x is not None:
-                fwd_bytes += x.numel() * x.element_size()
-                x = x.detach().requires_grad_(True)
-            inputs.append(x)
-            x = s(x, ids)
-            outputs.append(x)
-        loss = lm_loss(x, ids)
-    (loss / accum).backward()
-    for i in range(len(stages) - 1, 0, -1):
-        g = inputs[i].grad
-        bwd_bytes += g.numel() * g.element_size()
-        outputs[i - 1].backward(g)
-    return loss.item(), fwd_bytes, bwd_bytes
+class _Record:
+    """What the loop keeps and says about each step: the loss, validation and sharpness
+    histories, the progress line or log lines, and the ``--json-log`` file."""
+
+    def __init__(self, manifest, steps: int, *, log_every: int, json_log, display, quiet: bool):
+        self.m, self.steps, self.log_every, self.display, self.quiet = manifest, steps, log_every, display, quiet
+        self.loss: list[tuple[int, float]] = []
+        self.val: list[tuple[int, float]] = []
+        self.sharpness: list[tuple[int, float]] = []
+        self.jlog = open(json_log, "a", encoding="utf-8") if json_log else None
+
+    def step(self, step: int, loss: float, lr: float, rate: float, bpt: dict, val: float | None,
+             sharp: float | None, morphing: bool) -> None:
+        m = self.m
+        self.loss.append((step, loss))
+        if sharp is not None:
+            self.sharpness.append((step, sharp))
+            if not self.quiet:
+                log.info("step %d: preconditioned sharpness %.4g (adaptive edge of stability 2(1+b1)/((1-b1)lr)"
+                         " = %.4g)", step, sharp, (2 + 2 * m.optim.betas[0]) / ((1 - m.optim.betas[0]) * lr))
+        if val is not None:
+            self.val.append((step, val))
+        last_val = self.val[-1][1] if self.val else None
+        self.display.update(step, loss, last_val, lr, rate, bpt, force=val is not None)
+        if step % self.log_every and val is None and step != self.steps:
+            return
+        if not self.display.live and not self.quiet:
+            log.info("%s", self.display.line(step, loss, last_val, lr, rate, bpt))
+        if self.jlog:
+            rec = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": rate, "boundary_bytes_per_token": bpt,
+                   "time": time.time()}
+            if val is not None:
+                rec["val_loss"] = val
+            if sharp is not None:
+                rec["sharpness"] = sharp
+            if morphing:
+                rec["morph_epoch"] = step // m.morph.every
+            self.jlog.write(json.dumps(rec) + "\n")
+            self.jlog.flush()
+
+    def close(self) -> None:
+        self.display.close()
+        if self.jlog:
+            self.jlog.close()
+            self.jlog = None
+
+    def summary(self) -> dict:
+        losses = [v for _, v in self.loss]
+        head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)):]
+        return {
+            "loss_history": self.loss,
+            "val_history": self.val,
+            "sharpness_history": self.sharpness,
+            "val_loss": self.val[-1][1] if self.val else None,
+            "loss_start": sum(head) / len(head) if head else None,
+            "loss_end": sum(tail) / len(tail) if tail else None,
+        }
 
 
 class _Progress:

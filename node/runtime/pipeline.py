@@ -3,6 +3,8 @@ flight, and (at the head) the driver that injects microbatches.
 
 - **Inbound queues are bounded**: a ``fwd`` that finds ``queue_size`` forwards waiting is
   answered ``busy`` at once, and the sender's router tries another replica.
+- **Failures** of the stage's compute drop the microbatch (upstream is told to skip it) and are
+  logged with their traceback once per kind, then counted (``failures.FailureLog``).
 - **Contexts**: for a microbatch in flight a stage keeps only its input, its route, the weights
   version it was forwarded with (``stages.asyncmesh.StageWeights``, the look-ahead snapshot the
   backward must recompute with) and the peer it went to. Each context has a TTL
@@ -10,8 +12,9 @@ flight, and (at the head) the driver that injects microbatches.
   drop sends a ``skip`` upstream so the stages before free theirs too. Nothing waits forever and
   nothing leaks.
 - **Head** stages draw microbatches from their own data shard and keep at most ``max_inflight``
-  in flight (``StepPolicy``); the **tail** computes the loss from the token ids carried in the
-  ``fwd`` frame and starts the backward; gradients go back along the recorded route.
+  in flight (``StepPolicy``; ``head.HeadDriver``); the **tail** computes the loss from the token
+  ids carried in the ``fwd`` frame and starts the backward; gradients go back along the recorded
+  route.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from typing import Callable
 
 import torch
 
+from node.runtime.failures import FailureLog
 from node.runtime.guard import Guard
+from node.runtime.head import HeadDriver
 from node.runtime.options import Context, RuntimeOptions
 from node.runtime.sends import Sender, Skip
 from node.runtime.trainer import EpochChanged, Trainer
@@ -37,8 +42,8 @@ from security import verdict_score
 log = logging.getLogger("swarm_node.runtime")
 
 
-class Pipeline:
-    """Microbatches through one stage: handlers, contexts, drops, and the head's driver."""
+class Pipeline(HeadDriver):
+    """Microbatches through one stage: handlers, contexts, drops, and (``HeadDriver``) the head's driver."""
 
     def __init__(self, index: int, n_stages: int, peer_id: str, options: RuntimeOptions, *,
                  expect_fwd: Expect | None, expect_bwd: Expect | None, worker: ComputeWorker, trainer: Trainer,
@@ -65,6 +70,7 @@ class Pipeline:
         self.rtts: collections.deque = collections.deque(maxlen=2048)  # head: microbatch round trips (s)
         self.wake = asyncio.Event()  # the head driver waits on it for a free slot
         self.stopping = False
+        self.failures = FailureLog(metrics, log)
 
     def busy(self) -> bool:
         """Anything in flight or queued here."""
@@ -172,8 +178,8 @@ class Pipeline:
             self.metrics.microbatches.labels(outcome="dropped").inc()
             await self.sender.send_bwd(fwd.mb, route, skip=Skip("morph-epoch", Reason.WRONG_EPOCH), epoch=fwd.epoch)
             return
-        except Exception as e:  # noqa: BLE001
-            log.error("forward of mb %x failed: %r", fwd.mb, e)
+        except Exception as e:  # noqa: BLE001 - logged and counted; the stage goes on with the next one
+            self.failures.record("fwd", e, f"mb {fwd.mb:x}")
             self.pending.discard(fwd.mb)
             self.routes.pop(fwd.mb, None)
             self.metrics.microbatches.labels(outcome="failed").inc()
@@ -269,8 +275,8 @@ class Pipeline:
             self._finish(ctx, "dropped")
             await self.sender.send_bwd(ctx.mb, bwd.route, skip=Skip("morph-epoch", Reason.WRONG_EPOCH), epoch=ctx.epoch)
             return
-        except Exception as e:  # noqa: BLE001
-            log.error("backward of mb %x failed: %r", ctx.mb, e)
+        except Exception as e:  # noqa: BLE001 - logged and counted; the stage goes on with the next one
+            self.failures.record("bwd", e, f"mb {ctx.mb:x}")
             self.pending.discard(ctx.mb)
             self.routes.pop(ctx.mb, None)
             self._finish(ctx, "failed")
@@ -339,70 +345,3 @@ class Pipeline:
         self.metrics.queue_depth.labels(direction="fwd").set(self.worker.depth("fwd"))
         self.metrics.queue_depth.labels(direction="bwd").set(self.worker.depth("bwd"))
         self.metrics.inflight.set(len(self.contexts))
-
-    # ------------------------------------------------------------------ head driver
-
-    def _new_mb(self) -> int:
-        while True:
-            mb = self.rng.getrandbits(63)
-            if mb not in self.contexts and mb not in self.pending:
-                return mb
-
-    async def drive(self) -> None:
-        """Head: inject microbatches from our data shard while the step policy allows."""
-        assert self.is_head and self.batches is not None
-        policy = self.trainer.policy
-        while not self.stopping:
-            if self.options.steps and self.trainer.version >= self.options.steps:
-                return
-            if self.morph.due() and not await self._enter_next_epoch():
-                continue
-            ready = (
-                self.state() == "online"
-                and policy.may_inject(self.inflight)
-                and (self.is_tail or bool(self.router.stage_peers(1)))  # not choose(): it counts cool-downs
-            )
-            if not ready:
-                self.wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), 0.25)
-                continue
-            mb = self._new_mb()
-            ids = next(self.batches)
-            self.inflight += 1
-            policy.injected()
-            self.pending.add(mb)
-            fut = self.worker.submit("fwd", self.trainer.compute_head, ids)
-            self.tasks.spawn(self._after_head(fut, mb, ids))
-
-    async def _enter_next_epoch(self, drain_s: float = 10.0) -> bool:
-        """Head, at the version that begins the next morph epoch: stop injecting, let the microbatches
-        in flight come back (at most ``drain_s``; whatever is left is dropped by the fold), then
-        enter the epoch. False (after a short wait) while the seeds are not here yet."""
-        deadline = time.monotonic() + drain_s
-        while self.inflight and time.monotonic() < deadline and not self.stopping:
-            self.wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), 0.1)
-        if await self.morph.enter(self.morph.epoch + 1):
-            return True
-        await asyncio.sleep(0.1)
-        return False
-
-    async def _after_head(self, fut: asyncio.Future, mb: int, ids_cpu: torch.Tensor) -> None:
-        try:
-            code, ids, w, version, epoch = await fut
-        except Exception as e:  # noqa: BLE001
-            log.error("head forward failed: %r", e)
-            self.pending.discard(mb)
-            self.inflight = max(0, self.inflight - 1)
-            self.wake.set()
-            return
-        self.pending.discard(mb)
-        ctx = Context(mb, (self.peer_id,), None, ids, ids_cpu.to(torch.int32), w, version, epoch=epoch)
-        if self.is_tail:
-            self._finish(ctx, "done")
-            return
-        self.contexts[mb] = ctx
-        self.metrics.inflight.set(len(self.contexts))
-        await self._forward(ctx, code)

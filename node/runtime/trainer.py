@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from node.net import CapacityMeter, copy_state, parameters_of
-from node.ops import flatten_module, flatten_optimizer, restore_module, restore_optimizer
+from node.base import flatten_module, flatten_optimizer, restore_module, restore_optimizer
+from node.runtime.failures import FailureLog
 from node.runtime.options import Context, RuntimeOptions
 from stages import (
     ArchWarmup,
@@ -67,6 +68,7 @@ class Trainer:
         self.metrics, self.device, self.use_amp = metrics, device, options.use_amp
         self.busy_seconds, self.data_step = busy_seconds, data_step
         self.averager, self.checkpointer = averager, checkpointer
+        self.failures = FailureLog(metrics, log)  # averaging attempts that raised
         self.step_log = step_log  # a text file: one JSON object per optimizer step (``--json-log``)
         self.checkpoint_every = options.checkpoint_every or manifest.train.checkpoint_every
         max_inflight = options.max_inflight or manifest.train.max_inflight
@@ -263,7 +265,7 @@ class Trainer:
             try:
                 self.averager.maybe_average(v)
             except Exception as e:  # noqa: BLE001 - averaging is best effort, training goes on
-                log.warning("averaging skipped at step %d: %r", v, e)
+                self.failures.record("average", e, f"step {v}")
         if self.checkpointer is not None and self.checkpoint_every and v % self.checkpoint_every == 0:
             self.checkpointer(v, *self.checkpoint_state())
         if self.step_log is not None:  # last: the look-ahead weights it computes include any average applied above

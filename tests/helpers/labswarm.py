@@ -53,7 +53,7 @@ class LabSwarm(LocalSwarm):
         if where is None:
             raise RuntimeError("LabSwarm starts processes through start_bootstrap / start_node")
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
-        cmd = self.lab.command(where, [self.python, "-m", "node.ops.cli", *argv])
+        cmd = self.lab.command(where, [self.python, "-m", "node.cli", *argv])
         with open(out, "wb") as fo, open(err, "wb") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=self.env,
                                     start_new_session=True, preexec_fn=_die_with_launcher)

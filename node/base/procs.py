@@ -39,6 +39,11 @@ def processes() -> Iterator[Proc]:
                        int(fields[3]))
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (e.g. a DHT process's ``p2pd``)."""
+    return [p.pid for p in processes() if p.ppid == pid]
+
+
 def set_parent_death_signal(sig: int) -> None:
     """Linux: deliver ``sig`` to this process when the thread that started it exits (for a child,
     call it between fork and exec, e.g. as ``preexec_fn``). Elsewhere a no-op: a crashed parent

@@ -1,4 +1,4 @@
-"""Logging setup: `--log-format text|json`, `--log-level`."""
+"""Logging setup (`--log-format text|json`, `--log-level`) and reading back a `--json-log` file."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,9 +45,6 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
 def read_json_log(path) -> list[dict]:
     """The objects of a ``--json-log`` file (one JSON object per line), in order; lines that do
     not parse (a line being written as we read) are skipped, a missing file is empty."""
-    import json
-    from pathlib import Path
-
     out = []
     try:
         for line in Path(path).read_text().splitlines():

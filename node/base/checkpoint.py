@@ -26,15 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from node.base.errors import CheckpointError
+
 log = logging.getLogger("swarm_node.checkpoint")
 
 FORMAT = "swarm-node-ckpt/1"
 _NAME = re.compile(r"^ckpt-(\d{9,})\.safetensors$")
 _TMP = re.compile(r"^\.ckpt-\d+\.safetensors\.tmp\.(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or restored; the message says why and what to do."""
 
 
 def checkpoint_path(ckpt_dir: str | Path, step: int) -> Path:

@@ -1,6 +1,7 @@
 """`swarm-node` command line: one subcommand per operator task.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+The top of ``node``'s rooms (``base`` < ``net`` < ``runtime`` < ``ops`` < ``daemon`` < ``cli``):
+each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``. Modules keep heavy imports (torch, hivemind) inside ``main`` so that
 ``swarm-node --help`` is fast, and ``probe`` (py-libp2p) never shares a process with hivemind.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from node.base import CliError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -25,9 +28,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-from node.ops.errors import CliError  # noqa: E402,F401 - re-exported: `from node.ops.cli import CliError`
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarm-node",
@@ -38,13 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            p.set_defaults(_missing=module_name)
-            continue
+        module = importlib.import_module(module_name)
         module.add_arguments(p)
         p.set_defaults(_main=module.main)
     return parser
@@ -56,12 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from node.ops.logs import setup_logging
+    from node.base import setup_logging
 
     setup_logging(args.log_level, args.log_format)
-    if getattr(args, "_missing", None):
-        print(f"swarm-node: error: '{args.command}' is not built yet in this version", file=sys.stderr)
-        return 2
     try:
         return int(args._main(args) or 0)
     except CliError as e:
