@@ -24,6 +24,7 @@ from tests.helpers.attack_drill import peer_id_of
 from stages import consensus_dict, load_manifest, manifest_hash, manifest_toml
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+ROGUE_WATCH_S = 5.0  # the least time the forger's own node is online, unrouted to, before the counts are read
 LOOPBACK = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, use_auto_relay=False, auto_nat=False,
                 nat_port_map=False)
 
@@ -104,25 +105,42 @@ def test_a_dht_forger_changes_nothing_in_a_signed_run(tmp_path):
         assert len(forger.victims) == 3
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and sw.value(tail, "swarm_node_steps_total") < 20:
-            time.sleep(0.5)
+            time.sleep(0.25)
         assert sw.value(tail, "swarm_node_steps_total") >= 20, tail.logs()[-3000:]
 
-        # ---- forging goes on; training never pauses; a new replica and the forger's own node join
+        # ---- forging goes on; training never pauses; a new replica and the forger's own node join.
+        # The window lasts until both are online, the joiner has been given work and the forger
+        # has forged 10 rounds in it, and the rogue has been online twice as long as the joiner
+        # took from online to its first microbatch (ROGUE_WATCH_S at least): time enough for a head
+        # that believed the rogue's records to have sent it work too
         rounds0 = forger.rounds
         joiner = sw.start_node(1, name="stage1-new")
         rogue = sw.start_node(1, name="rogue", extra=["--manifest", str(forged_path)])  # the last --manifest wins
         steps, last_change, worst_gap = sw.value(tail, "swarm_node_steps_total"), time.monotonic(), 0.0
-        window_end = time.monotonic() + 40
+        joiner_online = joiner_served = rogue_online = None
+        window_end = time.monotonic() + 150
         while time.monotonic() < window_end:
             now_steps = sw.value(tail, "swarm_node_steps_total")
+            now = time.monotonic()
             if now_steps > steps:
-                steps, worst_gap, last_change = now_steps, max(worst_gap, time.monotonic() - last_change), time.monotonic()
-            assert all(n.proc.poll() is None for n in (head, body, tail, joiner)), [n.logs()[-2000:] for n in sw.nodes]
+                steps, worst_gap, last_change = now_steps, max(worst_gap, now - last_change), now
+            assert all(n.proc.poll() is None for n in (head, body, tail, joiner, rogue)), [n.logs()[-2000:] for n in sw.nodes]
+            if joiner_online is None and sw.ready(joiner):
+                joiner_online = now
+            if joiner_served is None and sw.value(joiner, "swarm_node_served_total", protocol="fwd", result="ack") > 0:
+                joiner_online, joiner_served = joiner_online or now, now
+            if rogue_online is None and sw.ready(rogue):
+                rogue_online = now
+            if (joiner_served is not None and rogue_online is not None and forger.rounds - rounds0 >= 10
+                    and now - rogue_online >= max(ROGUE_WATCH_S, 2 * (joiner_served - joiner_online))):
+                break
             time.sleep(0.25)
         worst_gap = max(worst_gap, time.monotonic() - last_change)
         print(f"forging rounds in the window: {forger.rounds - rounds0}; longest gap between tail steps {worst_gap:.1f} s")
         assert forger.rounds - rounds0 >= 10  # it really kept forging during the window
         assert worst_gap < 8.0, worst_gap  # the tail kept stepping
+        assert rogue_online is not None, rogue.logs()[-3000:]  # the forger's node runs, alone
+        assert time.monotonic() - rogue_online >= ROGUE_WATCH_S
 
         # the honest joiner came online and was given work
         assert sw.value(joiner, "swarm_node_state", state="online") == 1, joiner.logs()[-3000:]
@@ -154,15 +172,17 @@ def test_a_joiner_refuses_a_replica_that_serves_poisoned_state(tmp_path, attack)
     sw = LocalSwarm(str(path), workdir=tmp_path / "swarm")
     try:
         sw.start_bootstrap()
-        head, a, tail = sw.start_node(0, name="head"), sw.start_node(1, name="a"), sw.start_node(2, name="tail")
+        # the honest replicas start together (the first online, or both, start from the run seed;
+        # a later one downloads the other's state); the poisoner joins once both are online, so
+        # that it, too, takes an honest state verified by agreement, then trains honestly
+        head, a, b, tail = (sw.start_node(0, name="head"), sw.start_node(1, name="a"), sw.start_node(1, name="b"),
+                            sw.start_node(2, name="tail"))
         sw.wait_ready(timeout=200)
-        b = sw.start_node(1, name="b")
-        sw.wait_ready([b], timeout=120)
         poisoner = sw.start_node(1, name="poisoner", extra=["--attack", attack, "--allow-attacks"])
         sw.wait_ready([poisoner], timeout=120)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and sw.value(head, "swarm_node_peers", stage="1") < 3:
-            time.sleep(0.5)
+            time.sleep(0.25)
         joiner = sw.start_node(1, name="joiner")
         sw.wait_ready([joiner], timeout=150)
         bad = peer_id_of(poisoner)
@@ -171,7 +191,7 @@ def test_a_joiner_refuses_a_replica_that_serves_poisoned_state(tmp_path, attack)
         assert sw.value(joiner, "swarm_node_bans_total", cause="poisoned-state") == 1
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and sw.value(joiner, "swarm_node_steps_total") < 5:
-            time.sleep(0.5)
+            time.sleep(0.25)
         assert sw.value(joiner, "swarm_node_steps_total") >= 5, joiner.logs()[-3000:]  # it trains
         assert all(n.proc.poll() is None for n in (head, a, b, tail, joiner))
     finally:

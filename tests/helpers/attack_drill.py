@@ -109,7 +109,7 @@ def run_attack_drill(workdir: str | Path, *, attack: str = "scaling", honest: in
         while sw.value(tail, "swarm_node_steps_total") < want:
             if time.monotonic() > deadline or any(n.proc.poll() is not None for n in sw.nodes):
                 raise TimeoutError(f"attack drill: the honest swarm did not reach {want} steps")
-            time.sleep(0.5)
+            time.sleep(0.25)
         say(f"SENTINEL warmed up (tail step >= {want}) after {time.monotonic() - t0:.0f} s")
         bad = sw.start_node(1, name="mid-malicious", extra=["--attack", attack, "--allow-attacks"])
         sw.wait_ready([bad], timeout=ready_timeout_s)
