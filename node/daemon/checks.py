@@ -143,11 +143,12 @@ async def _visible_maddrs(dht, node) -> list:
 def visible_maddrs(dht, timeout: float = MADDRS_TIMEOUT_S) -> list[str]:
     """The addresses p2pd listens on (``hivemind.DHT.get_visible_maddrs``, which waits without a
     bound), or one line naming the call when the DHT does not answer within ``timeout``."""
-    future = dht.run_coroutine(_visible_maddrs, return_future=True)
+    from node.net import dht_result
+
     try:
-        return [str(a) for a in future.result(timeout)]
+        return [str(a) for a in dht_result(dht.run_coroutine(_visible_maddrs, return_future=True), timeout,
+                                           "address read")]
     except TimeoutError:
-        future.cancel()
         raise CliError(f"the DHT did not report its addresses within {timeout:.0f} s (get_visible_maddrs): "
                        "its p2pd is stuck; restart the node") from None
 

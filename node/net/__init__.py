@@ -43,6 +43,7 @@ _EXPORTS = {
     "parameters_of": "node.net.state_sync",
     "serve_state": "node.net.state_sync",
     "start_daemon": "node.net.p2pd",
+    "dht_result": "node.net.dht",
     "start_dht": "node.net.dht",
     "start_failure_line": "node.net.reach",
     "stop_dht": "node.net.dht",

@@ -160,3 +160,13 @@ def stop_dht(dht: hivemind.DHT, timeout: float = 5.0) -> None:
             except ProcessLookupError:
                 pass
 
+
+def dht_result(future, timeout: float, what: str):
+    """The result of a hivemind DHT call made with ``return_future=True``, waited for at most
+    ``timeout`` seconds: a DHT that does not answer is one ``TimeoutError`` naming the call
+    (``what``), and the call is cancelled."""
+    try:
+        return future.result(timeout)
+    except TimeoutError:  # concurrent.futures.TimeoutError is this one
+        future.cancel()
+        raise TimeoutError(f"the DHT did not answer the {what} within {timeout:g} s") from None

@@ -38,6 +38,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from node.net.p2pd import split_peer
+from node.net.dht import dht_result
 from node.net.records import manifest_subkey, peer_subkey
 from node.net.routing import announced_rate
 from protocol import PROTOCOL_VERSION
@@ -215,10 +216,10 @@ class Membership:
         """Raise ``ManifestMismatch`` if the swarm runs a different manifest; publish ours if none is
         published yet. Returns True when the swarm already had (our) manifest. Each DHT call waits
         at most ``timeout`` seconds (``TimeoutError`` naming it)."""
-        found = _within(self.dht.get(self.key_manifest, latest=True, return_future=True), timeout, "manifest read")
+        found = dht_result(self.dht.get(self.key_manifest, latest=True, return_future=True), timeout, "manifest read")
         if self._check_published(found):
             return True
-        _within(self._store_manifest(return_future=True), timeout, "manifest store")
+        dht_result(self._store_manifest(return_future=True), timeout, "manifest store")
         return False
 
     async def arefresh_manifest(self, timeout: float = 10.0) -> None:
@@ -248,7 +249,7 @@ class Membership:
 
     def peers(self, timeout: float = 30.0) -> list[PeerRecord]:
         """The swarm's peer records (blocking; at most ``timeout`` seconds, ``TimeoutError`` naming it)."""
-        return self._parse_peers(_within(self.dht.get(self.key_peers, latest=True, return_future=True),
+        return self._parse_peers(dht_result(self.dht.get(self.key_peers, latest=True, return_future=True),
                                          timeout, "peer records read"))
 
     async def apeers(self, timeout: float = 10.0) -> list[PeerRecord]:
@@ -331,15 +332,3 @@ async def _ping_all(peer_ids: list[str], dht, node) -> int:
     got = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(p), validate=False) for p in peer_ids),
                                return_exceptions=True)
     return sum(1 for g in got if g is not None and not isinstance(g, BaseException))
-
-
-def _within(future, timeout: float, what: str):
-    """The result of a hivemind DHT call made with ``return_future=True``, waited for at most
-    ``timeout`` seconds: a DHT that does not answer is one ``TimeoutError`` naming the call."""
-    import concurrent.futures
-
-    try:
-        return future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise TimeoutError(f"the DHT did not answer the {what} within {timeout:g} s") from None
