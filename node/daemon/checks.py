@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from node.base import CliError
-from node.ops import announce_line, check_port_free, check_signed
+from node.ops import announce_line, check_port_free, check_signed, load_manifest_arg
 from node.ops import config as node_config
 
 log = logging.getLogger("swarm_node.daemon")
@@ -51,12 +51,8 @@ def preflight(cfg: node_config.NodeConfig):
 
     from node.net import check_identity
     from node.ops import resolve_device
-    from stages import ManifestError, load_manifest
 
-    try:
-        manifest = load_manifest(cfg.manifest)
-    except ManifestError as e:
-        raise CliError(f"--manifest {cfg.manifest}: {e}") from None
+    manifest = load_manifest_arg(cfg.manifest)
     check_signed(manifest, cfg.manifest, cfg.allow_unsigned)
     if cfg.stage != "auto" and int(cfg.stage) >= manifest.n_stages:
         raise CliError(f"--stage {cfg.stage}: the manifest has {manifest.n_stages} stages (0..{manifest.n_stages - 1})")

@@ -14,6 +14,7 @@ _EXPORTS = {
     "check_port_free": "node.ops.startup",
     "check_signed": "node.ops.startup",
     "fast_exit": "node.ops.startup",
+    "load_manifest_arg": "node.ops.startup",
     "run_and_exit": "node.ops.startup",
     "uvloop_runner": "node.ops.startup",
     "LocalSwarm": "node.ops.local_swarm",

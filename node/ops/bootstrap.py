@@ -52,12 +52,9 @@ def _main(args) -> int:
         check_identity(args.identity)
     manifest = None
     if args.manifest:
-        from stages import ManifestError, load_manifest
+        from node.ops.startup import load_manifest_arg
 
-        try:
-            manifest = load_manifest(args.manifest)
-        except ManifestError as e:
-            raise CliError(f"--manifest {args.manifest}: {e}") from None
+        manifest = load_manifest_arg(args.manifest)
         check_signed(manifest, args.manifest, allow_unsigned=True)  # a tampered file is refused
 
     from node.net import BootstrapError, ManifestMismatch, Membership, start_dht, start_failure_line, stop_dht

@@ -27,12 +27,9 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from stages import ManifestError, load_manifest
+    from node.ops.startup import load_manifest_arg
 
-    try:
-        m = load_manifest(args.manifest)
-    except ManifestError as e:
-        raise CliError(f"--manifest {args.manifest}: {e}") from None
+    m = load_manifest_arg(args.manifest)
     if args.replicas < 1:
         raise CliError(f"--replicas must be >= 1, got {args.replicas}")
     steps = args.steps or m.train.steps

@@ -68,6 +68,17 @@ def announce_line(text: str) -> None:
     print(f"swarm-node: {text}", flush=True)
 
 
+def load_manifest_arg(path: str, flag: str = "--manifest"):
+    """The manifest ``path`` names (a file or a shipped run), or one ``CliError`` line naming the
+    flag and what is wrong with it."""
+    from stages import ManifestError, load_manifest
+
+    try:
+        return load_manifest(path)
+    except ManifestError as e:
+        raise CliError(f"{flag} {path}: {e}") from None
+
+
 def check_signed(manifest, name: str, allow_unsigned: bool) -> None:
     """The first check of a run (``name``: the ``--manifest`` given): the manifest is the
     organisers' (signed by ``run.organiser``), or unsigned and allowed (a swarm of this machine
