@@ -132,12 +132,13 @@ class ReplicaAverager:
         # a round's parameter delta is applied over this many local steps (stages/avg_blend.py)
         self.blend = BlendedDelta(blend_steps)
         self._buffer = torch.zeros(slices * self.schedule.max_size, dtype=torch.float32)
+        self._request_timeout = min(request_timeout, min_matchmaking_time / 2)
         self._averager_kwargs = dict(
             prefix=prefix,
             min_group_size=2,
             target_group_size=target_group_size,
             min_matchmaking_time=min_matchmaking_time,
-            request_timeout=min(request_timeout, min_matchmaking_time / 2),
+            request_timeout=self._request_timeout,
             allreduce_timeout=timeout,
             next_chunk_timeout=timeout,
             allow_state_sharing=False,
@@ -274,12 +275,17 @@ class ReplicaAverager:
         """The slots this replica joins are the multiples of this power of two: the one nearest
         (in ratio) to the span of H of its local steps, so a replica averages about every H steps
         (between 0.71 and 1.41 times as often), and never less than the smallest whose span holds
-        one whole round (``lead``, one step, and the measured time from a slot's start until its
-        round is applied), so it is never still busy when its next slot comes. Replicas of one
-        speed join the same slots, and a slower replica's slots are a subset of every faster
-        one's: it always meets them."""
+        one whole round: ``lead``, one step, and the longer of the measured time from a slot's
+        start until its round is applied and the longest a round that finds no group is held
+        (``lead`` after the slot's start, plus the last matchmaking request), so it is never still
+        busy when its next slot comes. A replica that skipped every other multiple of its stride
+        would lock onto one phase of them (slots 2, 6, 10, ... at stride 2) and never meet a
+        replica on the other (0, 4, 8, ... at stride 4). Replicas of one speed join the same
+        slots, and a slower replica's slots are a subset of every faster one's: it always meets
+        them."""
+        hold = max(self._span, self.lead + self._request_timeout)
         m = 1
-        while m * self.period < self.lead + self._call_seconds + self._span and m < 1 << 12:
+        while m * self.period < self.lead + self._call_seconds + hold and m < 1 << 12:
             m *= 2
         h = self.every * self._call_seconds / self.period  # H steps, in slots
         while m * math.sqrt(2) < h and m < 1 << 12:
