@@ -75,6 +75,13 @@ def test_boolean_flags_override_env_both_ways():
         ([], {"SWARM_NODE_LOCAL": "maybe"}, "SWARM_NODE_LOCAL: expected true/false"),
         (["--initial-peers", "1.2.3.4:31337"], {}, "must start with '/'"),
         (["--data-shard", "16"], {}, "--data-shard: 16 is not below --num-shards 16"),
+        # --allow-unsigned: every address the node listens on, announces or dials is loopback
+        (["--local", "--allow-unsigned", "--initial-peers", "/ip4/203.0.113.7/tcp/31337/p2p/QmA"], {},
+         "/ip4/203.0.113.7/tcp/31337/p2p/QmA is not a loopback address"),
+        (["--allow-unsigned", "--host-maddrs", "/ip4/0.0.0.0/tcp/0"], {}, "/ip4/0.0.0.0/tcp/0 is not a loopback"),
+        (["--local", "--allow-unsigned", "--announce-maddrs", "/ip4/127.0.0.1/tcp/1"], {}, "no --announce-maddrs"),
+        (["--organiser", "not-hex-at-all!"], {}, "an organiser fingerprint is 16 hex digits"),
+        (["--organiser", "abcdef"], {}, "an organiser fingerprint is 16 hex digits"),
     ],
 )
 def test_bad_values_name_the_source(argv, env, needle):
@@ -125,3 +132,45 @@ def test_every_setting_is_documented():
     for name in NodeConfig.__dataclass_fields__:
         assert f"`--{name.replace('_', '-')}`" in doc, name
         assert f"`{env_name(name)}`" in doc, name
+
+
+def test_allow_unsigned_with_every_address_on_loopback_and_a_pin_normalised():
+    cfg = resolve_config(parse(["--local", "--allow-unsigned", "--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/QmA",
+                                "--organiser", "0123456789ABCDEF"]), env={})
+    assert cfg.allow_unsigned and cfg.organiser == "0123456789abcdef"
+
+
+def test_a_pinned_organiser_refuses_every_other_manifest():
+    """``--organiser``: a manifest file names its own organiser key, so a stranger's manifest, signed
+    with the stranger's key, is refused only by a pin the operator got from the organisers."""
+    from node.ops.manifest_cmd import sign_manifest
+    from node.ops.startup import check_signed
+    from security import OrganiserKey, organiser_fingerprint
+    from stages import load_manifest
+
+    ours, theirs = OrganiserKey.generate(), OrganiserKey.generate()
+    good, forged = (sign_manifest(load_manifest("test"), k) for k in (ours, theirs))
+    pin = organiser_fingerprint(good.run.organiser)
+    check_signed(good, "RUN.toml", allow_unsigned=False, organiser=pin)
+    check_signed(forged, "RUN.toml", allow_unsigned=False)  # without a pin: signed by its own key, accepted
+    with pytest.raises(CliError) as e:
+        check_signed(forged, "RUN.toml", allow_unsigned=False, organiser=pin)
+    assert f"signed by organiser {organiser_fingerprint(forged.run.organiser)}, not by the pinned" in str(e.value)
+    with pytest.raises(CliError, match="is not signed, not by the pinned --organiser"):
+        check_signed(load_manifest("test"), "test", allow_unsigned=True, organiser=pin)
+
+
+def test_doctor_shows_the_organiser_and_checks_a_pin():
+    from node.ops.doctor import check_signature
+    from node.ops.manifest_cmd import sign_manifest
+    from security import OrganiserKey, organiser_fingerprint
+    from stages import load_manifest
+
+    m = sign_manifest(load_manifest("test"), OrganiserKey.generate())
+    f = organiser_fingerprint(m.run.organiser)
+    c = check_signature(m)
+    assert c.status == "ok" and f"signed by organiser {f}; pin it with run --organiser {f}" in c.detail
+    c = check_signature(m, f)
+    assert c.status == "ok" and "the pinned one" in c.detail
+    c = check_signature(m, "0" * 16)
+    assert c.status == "fail" and f"signed by organiser {f}, not by the pinned organiser {'0' * 16}" in c.detail

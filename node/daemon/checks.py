@@ -53,7 +53,7 @@ def preflight(cfg: node_config.NodeConfig):
     from node.ops import resolve_device
 
     manifest = load_manifest_arg(cfg.manifest)
-    check_signed(manifest, cfg.manifest, cfg.allow_unsigned)
+    check_signed(manifest, cfg.manifest, cfg.allow_unsigned, cfg.organiser)
     if cfg.stage != "auto" and int(cfg.stage) >= manifest.n_stages:
         raise CliError(f"--stage {cfg.stage}: the manifest has {manifest.n_stages} stages (0..{manifest.n_stages - 1})")
     if cfg.attack:

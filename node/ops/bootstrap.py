@@ -28,6 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--identity", default="", help="identity key file (swarm-node keygen) so the multiaddr stays stable")
     p.add_argument("--local", action="store_true", help="loopback only: no NAT port mapping, relay or AutoNAT")
     p.add_argument("--manifest", default="", help="also publish this run manifest (a file or a shipped name)")
+    p.add_argument("--organiser", default="", metavar="FINGERPRINT",
+                   help="publish the manifest only if the organiser with this key fingerprint signed it")
     p.add_argument("--maddrs-file", default="", help="also write the multiaddrs to this file (one per line)")
 
 
@@ -55,7 +57,10 @@ def _main(args) -> int:
         from node.ops.startup import load_manifest_arg
 
         manifest = load_manifest_arg(args.manifest)
-        check_signed(manifest, args.manifest, allow_unsigned=True)  # a tampered file is refused
+        from node.ops.config import check_fingerprint
+
+        # a tampered file is refused, and with --organiser another organiser's
+        check_signed(manifest, args.manifest, allow_unsigned=True, organiser=check_fingerprint(args.organiser))
 
     from node.net import BootstrapError, ManifestMismatch, Membership, start_dht, start_failure_line, stop_dht
 

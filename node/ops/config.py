@@ -59,6 +59,7 @@ class NodeConfig:
     attack: str = ""  # testing only: corrupt what this node sends (needs allow_attacks)
     allow_attacks: bool = False
     allow_unsigned: bool = False  # LOCAL ONLY: accept a manifest without an organiser signature
+    organiser: str = ""  # pin: the run's organiser key fingerprint (16 hex digits); "" = the manifest's own
     seed: int = 0  # local randomness (microbatch ids, routing ties); 0: from the OS
     averaging: bool = True  # background sparse averaging with the other replicas of our stage
     verify_state: bool = True  # take a replica's downloaded weights only when another replica's agree
@@ -101,7 +102,10 @@ _HELP = {
               "(needs --allow-attacks)",
     "allow_attacks": "TESTING ONLY: permit --attack",
     "verify_state": "download a joining replica's weights from up to 3 replicas and take them only when a majority agrees (parameter distance and norm ratio) (--no-verify-state: the first replica's, unchecked)",
-    "allow_unsigned": "LOCAL SWARMS ONLY: accept an unsigned manifest (refused unless every listen address is loopback)",
+    "allow_unsigned": "LOCAL SWARMS ONLY: accept an unsigned manifest (refused unless every listen, announce and "
+                      "initial-peer address is loopback)",
+    "organiser": "pin the run's organiser: the fingerprint of its key (16 hex digits, as `swarm-node manifest "
+                 "verify` and the run's organisers print it); a manifest signed by any other key is refused",
     "seed": "local random seed for microbatch ids and routing ties (0: from the OS)",
     "averaging": "average a slice of the weights with the other replicas of this stage (AsyncMesh)",
     "json_log": "append one JSON object per optimizer step (step, time, tokens, loss on the tail, look-ahead) to this file",
@@ -269,10 +273,22 @@ def validate_config(cfg: NodeConfig) -> None:
             raise CliError(f"multiaddr {m!r} must start with '/', e.g. /ip4/203.0.113.7/tcp/31337/p2p/Qm...")
     if cfg.local:
         cfg.host_maddrs = [m.replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/") for m in cfg.host_maddrs]
-    if cfg.allow_unsigned and (cfg.announce_maddrs or not all(is_loopback(m) for m in cfg.host_maddrs)):
-        raise CliError("--allow-unsigned is for a swarm on this machine only: it needs --local (or every "
-                       "--host-maddrs on 127.0.0.1) and no --announce-maddrs; a public node runs a signed manifest "
-                       "(swarm-node manifest sign)")
+    if cfg.allow_unsigned:
+        public = [m for m in cfg.host_maddrs + cfg.initial_peers if not is_loopback(m)] + cfg.announce_maddrs
+        if public:
+            raise CliError(f"--allow-unsigned is for a swarm on this machine only, but {public[0]} is not a loopback "
+                           "address: every --host-maddrs and --initial-peers must be on 127.0.0.1 (or --local), with "
+                           "no --announce-maddrs; a public node runs a signed manifest (swarm-node manifest sign)")
+    cfg.organiser = check_fingerprint(cfg.organiser)
+
+
+def check_fingerprint(value: str) -> str:
+    """An ``--organiser`` pin, normalised (lower case); "" stays "" (no pin)."""
+    pin = value.strip().lower()
+    if pin and (len(pin) != 16 or any(c not in "0123456789abcdef" for c in pin)):
+        raise CliError(f"--organiser {value!r}: an organiser fingerprint is 16 hex digits (swarm-node manifest "
+                       "verify RUN.toml prints it)")
+    return pin
 
 
 def is_loopback(maddr: str) -> bool:

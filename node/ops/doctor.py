@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default="all", help="stage to check memory for: N or all (default all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--identity", default=None, help="identity key file to check")
+    p.add_argument("--organiser", default="", metavar="FINGERPRINT",
+                   help="the organiser key fingerprint `run --organiser` will pin: the manifest must be signed by it")
     p.add_argument("--metrics-port", type=int, default=9100, help="metrics port that must be free")
     p.add_argument("--port", type=int, action="append", default=[], help="another TCP port that must be free")
     p.add_argument("--initial-peers", nargs="*", default=[], help="bootstrap multiaddrs to test reachability")
@@ -77,7 +79,7 @@ def check_torch(device_spec: str) -> tuple[list[Check], str | None]:
     return checks, device
 
 
-def check_memory(manifest_arg: str, stage_arg: str, device: str) -> list[Check]:
+def check_memory(manifest_arg: str, stage_arg: str, device: str, organiser: str = "") -> list[Check]:
     from node.ops.resources import available_device_bytes, estimate_stage_memory, fmt_bytes
     from stages import ManifestError, load_manifest
 
@@ -86,7 +88,7 @@ def check_memory(manifest_arg: str, stage_arg: str, device: str) -> list[Check]:
     except ManifestError as e:
         return [Check("manifest", "fail", str(e))]
     out = [Check("manifest", "ok", f"run {m.run.id}: {m.n_stages} stages, d={m.model.d_model}, k={m.k}"),
-           check_signature(m)]
+           check_signature(m, organiser)]
     stages = range(m.n_stages) if stage_arg == "all" else [int(stage_arg)]
     free = available_device_bytes(device)
     for i in stages:
@@ -106,18 +108,26 @@ def check_memory(manifest_arg: str, stage_arg: str, device: str) -> list[Check]:
     return out
 
 
-def check_signature(m) -> Check:
-    """Whether `swarm-node run` will accept this manifest: signed by its organiser key, or unsigned
-    (a swarm on this machine only, with --local --allow-unsigned)."""
+def check_signature(m, organiser: str = "") -> Check:
+    """Whether `swarm-node run` will accept this manifest: signed by its organiser key (the pinned
+    one, with ``organiser``), or unsigned (a swarm on this machine only, with --local
+    --allow-unsigned)."""
     from security import manifest_signature_problem, organiser_fingerprint
 
+    signer = organiser_fingerprint(m.run.organiser) if m.run.organiser else ""
+    if organiser and signer != organiser:
+        said = f"signed by organiser {signer}" if signer else "not signed"
+        return Check("signature", "fail", f"{said}, not by the pinned organiser {organiser}: another run's manifest "
+                                          "or a forgery; get the manifest from the run's organisers")
     if not m.run.organiser:
         return Check("signature", "warn", "unsigned: runs only on this machine (--local --allow-unsigned); "
                                           "a public run's organisers sign it with swarm-node manifest sign")
     problem = manifest_signature_problem(m)
     if problem is not None:
         return Check("signature", "fail", f"{problem}; get the signed manifest from the run's organisers")
-    return Check("signature", "ok", f"signed by organiser {organiser_fingerprint(m.run.organiser)}")
+    if organiser:
+        return Check("signature", "ok", f"signed by organiser {signer}, the pinned one")
+    return Check("signature", "ok", f"signed by organiser {signer}; pin it with run --organiser {signer}")
 
 
 def check_port(port: int, what: str) -> Check:
@@ -255,9 +265,17 @@ def check_nat(peers: list[str], wait: float = 40.0, port: int = 0) -> Check:
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
+    from node.base import CliError
+    from node.ops.config import check_fingerprint
+
     checks, device = check_torch(args.device)
+    try:
+        pin = check_fingerprint(args.organiser)
+    except CliError as e:
+        checks.append(Check("organiser", "fail", str(e)))
+        pin = ""
     if device is not None:
-        checks += check_memory(args.manifest, args.stage, device)
+        checks += check_memory(args.manifest, args.stage, device, pin)
     checks.append(check_port(args.metrics_port, "metrics"))
     for port in args.port:
         checks.append(check_port(port, "p2p"))

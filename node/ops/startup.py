@@ -79,12 +79,20 @@ def load_manifest_arg(path: str, flag: str = "--manifest"):
         raise CliError(f"{flag} {path}: {e}") from None
 
 
-def check_signed(manifest, name: str, allow_unsigned: bool) -> None:
+def check_signed(manifest, name: str, allow_unsigned: bool, organiser: str = "") -> None:
     """The first check of a run (``name``: the ``--manifest`` given): the manifest is the
     organisers' (signed by ``run.organiser``), or unsigned and allowed (a swarm of this machine
-    only, ``--allow-unsigned``; a bootstrap peer only publishes). One line with the fix if not."""
-    from security import manifest_signature_problem
+    only, ``--allow-unsigned``; a bootstrap peer only publishes). ``organiser``: a pinned organiser
+    key fingerprint (``--organiser``): the manifest must be signed by that key, since a manifest
+    file names its own organiser and so cannot vouch for it. One line with the fix if not."""
+    from security import manifest_signature_problem, organiser_fingerprint
 
+    if organiser:
+        signer = organiser_fingerprint(manifest.run.organiser) if manifest.run.organiser else None
+        if signer != organiser:
+            said = f"signed by organiser {signer}" if signer else "not signed"
+            raise CliError(f"--manifest {name} is {said}, not by the pinned --organiser {organiser}: this is another "
+                           "run's manifest, or a forgery; get the manifest from the run's organisers")
     if manifest.run.organiser:
         problem = manifest_signature_problem(manifest)
         if problem is not None:
