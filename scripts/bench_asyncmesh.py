@@ -69,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from stages import (  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402
+    AveragingLayout,
     Batches,
     BlendedDelta,
     LookaheadForward,
@@ -78,6 +79,7 @@ from stages import (  # noqa: E402  # noqa: E402  # noqa: E402  # noqa: E402
     apply_average_delta,
     build_model,
     build_optimizer,
+    butterfly,
     build_stage,
     count_parameters,
     even_layout,
@@ -171,6 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--avg-every-extra", default="",
                    help="comma-separated further H values: the sparse variants run again at each (full and "
                    "independent do not depend on H), reported under averaging_other_H against the same full run")
+    p.add_argument("--robust", action="store_true",
+                   help="also run sparse_robust: sparse_corrected with each round judged as the swarm judges it "
+                   "(stages.robust_avg: robust rule at each reducer, receivers check the returned ranges)")
+    p.add_argument("--avg-attack", choices=("none", "scale25"), default="none",
+                   help="the last replica contributes its slices x25 to every round (every sparse variant); "
+                   "val losses are then the honest replicas'")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -517,7 +525,8 @@ def runtime_utilisation(m, mode: str, seconds: float, warmup_steps: int = 5, max
 # ------------------------------------------------------------------------------- averaging
 
 CORRECTED = "sparse_corrected"  # what asyncmesh.avg_correction = true does in node/net/averaging.py
-CORRECTED_VARIANTS = ("sparse_corrected", "sparse_at_once", "sparse_second", "sparse_outer")
+ROBUST = "sparse_robust"  # sparse_corrected, each round judged by stages.robust_avg (butterfly)
+CORRECTED_VARIANTS = ("sparse_corrected", "sparse_at_once", "sparse_second", "sparse_outer", ROBUST)
 
 
 def blend_of(m, args) -> int:
@@ -538,7 +547,8 @@ def averaging_runs(m, variants, corpus, val, args) -> dict:
                        "consensus_val_loss": statistics.fmean(r["consensus_val_loss"] for r in runs),
                        "consensus_val_loss_per_seed": [round(r["consensus_val_loss"], 4) for r in runs],
                        "bytes_per_replica": runs[0]["bytes_per_replica"],
-                       "mean_moment_lambda": runs[0]["mean_moment_lambda"]}
+                       "mean_moment_lambda": runs[0]["mean_moment_lambda"],
+                       "judged": [r["judged"] for r in runs]}
     return avg_runs
 
 
@@ -572,7 +582,11 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
     sched = PartitionSchedule([p.shape for p in params[0]], args.avg_fraction, am.run.seed)
     mom_on = variant in ("sparse_moments", *CORRECTED_VARIANTS)
     corr = StalenessCorrection(variant in CORRECTED_VARIANTS)
-    blend_steps = blend_of(m, args) if variant == CORRECTED else 1
+    blend_steps = blend_of(m, args) if variant in (CORRECTED, ROBUST) else 1
+    attacker = R - 1 if args.avg_attack == "scale25" else None
+    honest = [r for r in range(R) if r != attacker]
+    layout = AveragingLayout(1 + mom_on, sched.max_size)
+    judged = {"rounds": 0, "dropped": 0, "refused": 0}  # sparse_robust: members dropped, ranges refused
     blends = [BlendedDelta(blend_steps) for _ in range(R)]
     sq_on = variant == "sparse_second"
     outer = None
@@ -615,23 +629,37 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
             for r in range(R):
                 blends[r].before_snapshot(params[r], sched.partition(rnd))
             snaps = [snapshot(params[r], idx) for r in range(R)]
-            avg = torch.stack(snaps).mean(0)
+            sent = [s_ * 25 if r == attacker else s_ for r, s_ in enumerate(snaps)]  # what each contributes
+            avg = torch.stack(sent).mean(0)
             msnaps = mavg = vsnaps = vavg = None
             if mom_on:
                 msnaps = [snapshot(first_moments(opts[r], params[r])[0], idx) for r in range(R)]
-                mavg = torch.stack(msnaps).mean(0)
+                msent = [s_ * 25 if r == attacker else s_ for r, s_ in enumerate(msnaps)]
+                mavg = torch.stack(msent).mean(0)
+            avgs, mavgs = [avg] * R, [mavg] * R
+            if variant == ROBUST:  # the round as the swarm runs it: judged at each reducer and receiver
+                n = snaps[0].numel()
+                contribs = torch.stack([layout.pack([sent[r], msent[r]]) for r in range(R)])
+                outcome = butterfly(contribs, layout=layout)
+                parts = [layout.unpack(res) for res in outcome.results]
+                avgs, mavgs = [p_[0][:n] for p_ in parts], [p_[1][:n] for p_ in parts]
+                judged["rounds"] += 1
+                judged["dropped"] += len(outcome.dropped_members)
+                judged["refused"] += sum(len(v) for v in outcome.refused.values())
             if sq_on:
                 vsnaps = [snapshot(second_moments(opts[r], params[r]), idx) for r in range(R)]
                 vavg = torch.stack(vsnaps).mean(0)
             if outer is not None:
                 avg = outer_step(outer, idx, avg, args.outer_lr, args.outer_momentum)
-            pending.append((done + args.avg_latency, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, done, rnd))
+                avgs = [avg] * R
+            pending.append((done + args.avg_latency, idx, snaps, avgs, msnaps, mavgs, vsnaps, vavg, done, rnd))
             bytes_total += group * 4 * sched.max_size * (1 + mom_on + sq_on)
             rnd += 1
         while pending and pending[0][0] <= done:
-            _, idx, snaps, avg, msnaps, mavg, vsnaps, vavg, start, number = pending.pop(0)
+            _, idx, snaps, avgs, msnaps, mavgs, vsnaps, vavg, start, number = pending.pop(0)
             s = done - start
             for r in range(R):
+                avg, mavg = avgs[r], mavgs[r]
                 if variant == "sparse_lambda":
                     apply_average_delta(params[r], idx, snaps[r], avg, 1.0 + s / (sched.n_partitions * args.avg_every))
                 else:
@@ -646,15 +674,16 @@ def run_averaging(m, variant: str, corpus, val, args) -> dict:
                     apply_average_delta(second_moments(opts[r], params[r]), idx, vsnaps[r], vavg, b2 ** s)
         if step % 50 == 0:
             progress(f"averaging {variant}: step {step} loss {loss.item():.3f}")
-    with amp():
-        losses = [val_loss_chain([_Whole(mod)], val) for mod in models]
-        consensus = val_loss_chain([_Whole(consensus_model(models))], val)
+    with amp():  # with an attacker: the honest replicas' losses and their consensus
+        losses = [val_loss_chain([_Whole(models[r])], val) for r in honest]
+        consensus = val_loss_chain([_Whole(consensus_model([models[r] for r in honest]))], val)
     return {
         "val_loss": statistics.fmean(losses),
         "val_loss_per_replica": [round(x, 4) for x in losses],
         "consensus_val_loss": consensus,
         "bytes_per_replica": int(bytes_total),
         "mean_moment_lambda": round(statistics.fmean(lams), 4) if lams else None,
+        "judged": judged,
     }
 
 
@@ -808,6 +837,8 @@ def main(argv=None) -> int:
             variants += ["sparse_moments", "sparse_lambda"]
         if args.variants:
             variants = args.variants.split(",")
+        if args.robust and ROBUST not in variants:
+            variants.append(ROBUST)
         avg_runs = averaging_runs(m, variants, corpus, val, args)
         out["averaging_val_loss"] = {
             ("full_every_step" if k == "full" else k): round(v["val_loss"], 4) for k, v in avg_runs.items()
@@ -824,6 +855,15 @@ def main(argv=None) -> int:
                 out["avg_bytes_ratio"] = round(full["bytes_per_replica"] / avg_runs[CORRECTED]["bytes_per_replica"], 2)
             if "sparse" in avg_runs:
                 out["sparse_uncorrected_gap_rel"] = out["averaging_gap_rel"]["sparse"]
+        if ROBUST in avg_runs:
+            # the robust rule against the plain mean it replaces (sparse_corrected, same seeds)
+            out["robust_avg_judged"] = avg_runs[ROBUST]["judged"]
+            if CORRECTED in avg_runs:
+                out["robust_avg_cost_rel"] = {
+                    "per_replica": rel_gap(avg_runs[ROBUST]["val_loss"], avg_runs[CORRECTED]["val_loss"]),
+                    "consensus": rel_gap(avg_runs[ROBUST]["consensus_val_loss"],
+                                         avg_runs[CORRECTED]["consensus_val_loss"]),
+                }
         # the consensus model (element-wise mean of the replicas' parameters at the end), next to
         # the per-replica figures above, which keep their meaning
         out["averaging_consensus_val_loss"] = {
@@ -881,6 +921,7 @@ def main(argv=None) -> int:
         "avg_seeds": list(range(args.seed, args.seed + max(1, args.avg_seeds))),
         "replica_data": "disjoint contiguous shards" if args.disjoint_shards else "independent samples of the corpus",
         "avg_correction": "first moments averaged on the same slice, delta scaled by beta^s (StalenessCorrection)",
+        "avg_attack": args.avg_attack,
         "val_batches": args.val_batches, "seed": args.seed, "torch_threads": args.threads, "device": args.device,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }

@@ -12,7 +12,7 @@ from security.bans import (  # noqa: F401
 )
 from security.identity import (
     OrganiserKey, PeerKey, b58encode, manifest_signature_problem, new_ed25519_key, organiser_fingerprint,
-    peer_id_from_key, peer_id_of_public_key, verify_manifest_signature, verify_peer_signature,
+    peer_id_from_key, peer_id_of_public_key, peer_key_problem, verify_manifest_signature, verify_peer_signature,
 )
 from security.verifier import (  # noqa: F401
     BasicVerifier, SentinelVerifier, describe_rejection, make_verifier,
@@ -29,6 +29,7 @@ __all__ = [
     "organiser_fingerprint",
     "peer_id_from_key",
     "peer_id_of_public_key",
+    "peer_key_problem",
     "verify_manifest_signature",
     "verify_peer_signature",
     "ADAPTIVE_FAMILIES",

@@ -8,6 +8,12 @@ record's public key can check that it belongs to the peer id the record claims, 
 by that key proves the peer wrote it. Ed25519 signs the message itself; RSA signs with PKCS#1 v1.5
 over SHA-256, as libp2p does.
 
+Only keys whose verification costs little are accepted (``peer_key_problem``): Ed25519, and RSA
+with public exponent 65537 and a modulus of 2048 to 4096 bits. Anyone can write an RSA public
+key with a huge exponent or modulus without holding its private half, and one verification with
+it costs a hundred times an honest one; so a key is judged before any signature made with it is
+verified, and a node refuses to start with such a key of its own.
+
 An organiser key is a raw Ed25519 key pair; a run's manifest carries the public half (base64) and
 a signature over the manifest hash, so no one else can publish a manifest that nodes accept for
 that run (``docs/THREAT_MODEL.md``).
@@ -18,12 +24,15 @@ from __future__ import annotations
 import base64
 import hashlib
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 KEY_RSA, KEY_ED25519 = 0, 1
+RSA_EXPONENT = 65537  # the only RSA public exponent accepted (every libp2p implementation's default)
+RSA_MIN_BITS, RSA_MAX_BITS = 2048, 4096  # accepted RSA modulus sizes
+MAX_PUBLIC_KEY_BYTES = 1024  # a libp2p PublicKey protobuf of a 4096-bit RSA key is about 550 bytes
 _ED25519_PRIVATE_LEN = 64  # seed (32) + public key (32), the libp2p encoding
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 _RAW = serialization.Encoding.Raw
@@ -138,6 +147,9 @@ class PeerKey:
             raise ValueError(f"key type {key_type} is not supported (Ed25519 or RSA)")
         self.key_type = key_type
         self.public_key = key_message(key_type, public)
+        problem = peer_key_problem(self.public_key)
+        if problem is not None:  # every node of the swarm would refuse its records
+            raise ValueError(f"this key's signatures are refused by the swarm: {problem}")
         self.peer_id_bytes = peer_multihash(self.public_key)
         self.peer_id = b58encode(self.peer_id_bytes)
 
@@ -152,9 +164,47 @@ def peer_id_from_key(blob: bytes) -> str:
     return PeerKey(blob).peer_id
 
 
+def peer_key_problem(public_key: bytes, signature: bytes | None = None) -> str | None:
+    """None when the libp2p ``PublicKey`` protobuf ``public_key`` is of a kind whose signatures are
+    cheap to verify (Ed25519; RSA with exponent 65537 and a 2048..4096-bit modulus) and, when
+    ``signature`` is given, that signature has the length such a key's signatures have; else what
+    is wrong. Parses the key only (its size bounded first), never verifies anything."""
+    if not isinstance(public_key, bytes) or len(public_key) > MAX_PUBLIC_KEY_BYTES:
+        return f"a public key is bytes of at most {MAX_PUBLIC_KEY_BYTES}"
+    try:
+        key_type, raw = parse_key_message(public_key)
+    except ValueError as e:
+        return f"not a libp2p public key ({e})"
+    if key_type == KEY_ED25519:
+        if len(raw) != 32:
+            return f"an Ed25519 public key is 32 bytes, not {len(raw)}"
+        expected = 64
+    elif key_type == KEY_RSA:
+        try:
+            key = serialization.load_der_public_key(raw)
+        except (ValueError, TypeError, UnsupportedAlgorithm) as e:
+            return f"the RSA public key does not parse ({e})"
+        if not isinstance(key, rsa.RSAPublicKey):
+            return "key type RSA holds a key that is not RSA"
+        numbers = key.public_numbers()
+        if numbers.e != RSA_EXPONENT:
+            shown = str(numbers.e) if numbers.e < 1 << 32 else f"of {numbers.e.bit_length()} bits"
+            return f"RSA public exponent {shown} (only {RSA_EXPONENT})"
+        if not RSA_MIN_BITS <= key.key_size <= RSA_MAX_BITS:
+            return f"RSA modulus of {key.key_size} bits (only {RSA_MIN_BITS}..{RSA_MAX_BITS})"
+        expected = (key.key_size + 7) // 8
+    else:
+        return f"key type {key_type} (only Ed25519 and RSA)"
+    if signature is not None and (not isinstance(signature, bytes) or len(signature) != expected):
+        return f"a signature by this key is {expected} bytes"
+    return None
+
+
 def verify_peer_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
     """Whether ``signature`` over ``data`` was made by the libp2p key ``public_key`` (a protobuf);
-    False for anything malformed."""
+    False for anything malformed and for a key ``peer_key_problem`` refuses (judged first)."""
+    if peer_key_problem(public_key, signature) is not None:
+        return False
     try:
         key_type, raw = parse_key_message(public_key)
         if key_type == KEY_ED25519:

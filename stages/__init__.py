@@ -28,6 +28,9 @@ from stages.optim import (  # noqa: F401
 from stages.sharpness import (  # noqa: F401
     SharpnessTracker, adam_preconditioner, eos_bound,
 )
+from stages.robust_avg import (  # noqa: F401
+    AveragingLayout, RoundOutcome, butterfly, chunk_elements, judge_contributions, refused_reducers, robust_mean,
+)
 from stages.state_check import NORM_RATIO_TOLERANCE, STATE_TOLERANCE, agreeing, norm_ratio, state_distance
 from stages.subspace import (  # noqa: F401
     SubspaceCodec, wire_bytes_per_token,
@@ -37,6 +40,13 @@ from stages.warmup import (  # noqa: F401
 )
 
 __all__ = [
+    "AveragingLayout",
+    "RoundOutcome",
+    "butterfly",
+    "chunk_elements",
+    "judge_contributions",
+    "refused_reducers",
+    "robust_mean",
     "STATE_TOLERANCE",
     "NORM_RATIO_TOLERANCE",
     "agreeing",

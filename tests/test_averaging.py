@@ -584,3 +584,69 @@ def _future():
 
     return concurrent.futures.Future()
 
+
+
+def test_prefix_is_in_the_organisers_namespace():
+    from security import organiser_fingerprint
+
+    a, b = averaging_prefix("swarm.default-1", 2, "keyA"), averaging_prefix("swarm.default-1", 2, "keyB")
+    assert a == f"swarm_default-1_{organiser_fingerprint('keyA')}_stage2_avg" and a != b and "." not in a
+
+
+@pytest.mark.timeout(150)
+def test_only_the_stages_members_average_and_a_poisoned_member_is_dropped(no_leftover_processes):
+    """Three replicas hold the stage's records (a, b honest; c's weights are 25 times theirs) and
+    a stranger without one runs an averager under the same key. The stranger never shares a group
+    with them (they refuse its requests and do not follow it) and applies nothing; in the groups
+    of a, b and c, a's and b's reducers drop c's contribution and count it, and the range that c
+    reduced comes back poisoned and is refused, so a and b stay where honest averaging puts them."""
+    torch.manual_seed(2)
+    base = [torch.randn(30, 20), torch.randn(40)]
+    weights = {"a": [x + 0.1 * torch.randn_like(x) for x in base], "b": [x + 0.1 * torch.randn_like(x) for x in base],
+               "c": [25 * x for x in base], "stranger": [25 * x for x in base]}
+    kw = dict(prefix="avgtest_stage3_avg", fraction=0.25, every=2, seed=5, correction=False,
+              timeout=10.0, min_matchmaking_time=1.0, request_timeout=0.5, period=0.6)
+    dhts = [_dht()]
+    dhts += [_dht([str(m) for m in dhts[0].get_visible_maddrs()]) for _ in range(3)]
+    ids = {name: d.peer_id.to_base58() for name, d in zip(weights, dhts)}
+    members = {ids["a"], ids["b"], ids["c"]}
+    reps = {}
+    for (name, params), dht in zip(weights.items(), dhts):
+        fn = None if name == "stranger" else (lambda me=ids[name]: members - {me})
+        reps[name] = dict(params=params, step=0, applied=[],
+                          avg=ReplicaAverager(dht, params, members_fn=fn, **kw))
+    try:
+        for r in reps.values():
+            r["avg"].start()
+        deadline = time.monotonic() + 100
+
+        def done():
+            return all(any(g == 3 for _, g in reps[n]["applied"]) for n in ("a", "b"))
+
+        while time.monotonic() < deadline and not done():
+            for r in reps.values():
+                r["step"] += 1
+                if r["avg"].maybe_average(r["step"]):
+                    st = r["avg"].stats
+                    r["applied"].append((st.last_round, st.last_group_size))
+            time.sleep(0.05)
+        for r in reps.values():
+            r["avg"]._read_report()  # the averager processes' counts now, not as of each one's last round
+        stats = {n: r["avg"].stats for n, r in reps.items()}
+        brief = {n: (r["applied"], {k: v for k, v in vars(stats[n]).items()
+                                     if k.startswith(("rounds", "contrib", "parts", "strangers", "groups"))})
+                 for n, r in reps.items()}
+        assert done(), brief
+        assert stats["stranger"].rounds_applied == 0, brief
+        assert all(g <= 3 for n in ("a", "b", "c") for _, g in reps[n]["applied"]), brief  # never with the stranger
+        assert sum(stats[n].strangers_refused + stats[n].groups_refused for n in ("a", "b", "c")) >= 1, brief
+        for n in ("a", "b"):
+            assert stats[n].contributions_dropped >= 1 and stats[n].parts_refused >= 1, brief
+            # nothing of c's weights reached them: every element within the honest spread of the base
+            drift = max(float((p - x).abs().max()) for p, x in zip(reps[n]["params"], base))
+            assert drift < 1.0, (n, drift, brief)
+    finally:
+        for r in reps.values():
+            r["avg"].close()
+        for d in reversed(dhts):
+            d.shutdown()

@@ -9,12 +9,15 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from node.net.membership import run_namespace
 from node.net.records import (
     MAX_RECORD_TTL_S,
     ForgeryCounter,
     SwarmRecordValidator,
+    dht_key_id,
     manifest_subkey,
     peer_subkey,
+    run_key,
 )
 from node.ops.manifest_cmd import sign_manifest
 from security import (
@@ -125,13 +128,15 @@ def test_the_validator_refuses_forged_peer_records_and_counts_them(forgery):
         record = DHTRecord(KEY, MSGPackSerializer.dumps(peer_subkey(victim.peer_id)), b"SWNR1\xff\x00",
                            get_dht_time() + 20)
     assert not reader.validate(record)
-    assert counter.snapshot() == {"peer": 1, "manifest": 0, "averaging": 0, "plain": 0}
+    assert counter.snapshot() == {"peer": 1, "manifest": 0, "averaging": 0, "plain": 0, "unknown": 0}
 
 
-def _manifest_record(manifest, subkey=None, **overrides):
+def _manifest_record(manifest, subkey=None, under=None, **overrides):
+    """``manifest`` published under the manifest key of ``under``'s run (its own by default)."""
     value = {"hash": manifest_hash(manifest), "manifest": consensus_dict(manifest), "protocol": 1,
              "organiser": manifest.run.organiser, "signature": manifest.signature.ed25519, **overrides}
-    return DHTRecord(KEY, MSGPackSerializer.dumps(subkey or manifest_subkey(manifest.run.organiser)),
+    key = dht_key_id(run_key(run_namespace(under or manifest), "manifest"))
+    return DHTRecord(key, MSGPackSerializer.dumps(subkey or manifest_subkey(manifest.run.organiser)),
                      MSGPackSerializer.dumps(value), get_dht_time() + 60)
 
 
@@ -144,13 +149,13 @@ def test_the_validator_binds_the_published_manifest_to_its_organiser():
     assert v.validate(_manifest_record(load_manifest("test")))  # an unsigned run's own subkey
     # a forger's manifest under the organiser's subkey: its own signature, or none
     forged = sign_manifest(signed.replace(optim={"lr": 0.5}), forger)
-    assert not v.validate(_manifest_record(forged, subkey=manifest_subkey(org.public)))
+    assert not v.validate(_manifest_record(forged, subkey=manifest_subkey(org.public), under=signed))
     tampered = signed.replace(optim={"lr": 0.5})
     assert not v.validate(_manifest_record(tampered))  # the organiser's signature over other fields
     assert not v.validate(_manifest_record(signed, hash="0" * 64))  # a hash that is not the fields'
     # under its own organiser subkey a forger's manifest is valid, and is another run (namespace)
     assert v.validate(_manifest_record(forged))
-    assert counter.snapshot() == {"peer": 0, "manifest": 3, "averaging": 0, "plain": 0}
+    assert counter.snapshot() == {"peer": 0, "manifest": 3, "averaging": 0, "plain": 0, "unknown": 0}
 
 
 def test_averaging_announcements_are_bound_to_the_peer_they_announce():
@@ -180,7 +185,8 @@ def test_plain_values_are_refused_so_no_one_can_replace_a_dictionary():
     assert not v.validate(plain) and counter.snapshot()["plain"] == 1
 
 
-def test_records_outside_the_protected_subkeys_pass_through():
-    v = SwarmRecordValidator()
+def test_records_of_no_known_type_are_refused_and_counted():
+    counter = ForgeryCounter()
+    v = SwarmRecordValidator(counter=counter)
     rec = DHTRecord(KEY, MSGPackSerializer.dumps("other"), MSGPackSerializer.dumps({"x": 1}), time.time() + 5)
-    assert v.validate(rec) and v.strip_value(rec) == rec.value
+    assert not v.validate(rec) and counter.snapshot()["unknown"] == 1

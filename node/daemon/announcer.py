@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from node.net import PeerRecord
+from node.net import MAX_MADDRS, PeerRecord
 from node.ops import announce_line
 
 log = logging.getLogger("swarm_node.daemon")
@@ -40,6 +40,7 @@ class Holding:
     capacity: float = 0.0
     queue: int = 0
     version: int = 0
+    epoch: int | None = None  # morph epoch; None with morphing off
 
 
 class Announcer:
@@ -120,7 +121,7 @@ class Announcer:
         if st not in STATES:
             st = "joining"
         return PeerRecord(self.peer_id, h.stage, st, throughput=h.throughput, capacity=h.capacity,
-                          queue=h.queue, version=h.version, maddrs=self.maddrs)
+                          queue=h.queue, version=h.version, epoch=h.epoch, maddrs=self.maddrs[:MAX_MADDRS])
 
     async def announce(self, state: str | None = None, ttl: float | None = None, timeout: float | None = None) -> None:
         """Store our record in the DHT (bounded by ``timeout``, the DHT bound by default)."""

@@ -117,13 +117,16 @@ def check_identity_offline(cfg: node_config.NodeConfig) -> None:
         )
 
 
-def start_dht_or_fail(cfg: node_config.NodeConfig, identity: str, forgeries):
-    """The DHT and its p2pd, bootstrapped from ``--initial-peers`` with retries; one line if not."""
-    from node.net import BootstrapError, IdentityInUse, start_dht, start_failure_line
+def start_dht_or_fail(cfg: node_config.NodeConfig, identity: str, forgeries, manifest=None):
+    """The DHT and its p2pd, bootstrapped from ``--initial-peers`` with retries; one line if not.
+    With ``manifest``, its validator knows the run's keys (``RunScope``)."""
+    from node.net import BootstrapError, IdentityInUse, RunScope, start_dht, start_failure_line
 
+    scope = RunScope.of(manifest) if manifest is not None else None
     try:
         return start_dht(cfg.initial_peers, cfg.host_maddrs, cfg.announce_maddrs, identity, local=cfg.local,
-                         retries=cfg.bootstrap_retries, timeout=cfg.bootstrap_timeout, forgeries=forgeries)
+                         retries=cfg.bootstrap_retries, timeout=cfg.bootstrap_timeout, forgeries=forgeries,
+                         scope=scope)
     except (BootstrapError, IdentityInUse) as e:
         raise CliError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - p2pd refused to start: say why in one line
@@ -229,7 +232,7 @@ def start_up(cfg: node_config.NodeConfig) -> Iterator[StartUp]:
     forgeries = ForgeryCounter()
     try:
         check_identity_offline(cfg)
-        dht = start_dht_or_fail(cfg, identity, forgeries)
+        dht = start_dht_or_fail(cfg, identity, forgeries, manifest)
         peer_id = dht.peer_id.to_base58()
         maddrs = visible_maddrs(dht)
         membership = Membership(dht, manifest, ttl=max(4 * cfg.announce_every, 10.0))

@@ -88,11 +88,14 @@ class StageSlot:
         try:
             avg = ReplicaAverager(
                 self.dht, [p for _, p in self.stage.named_parameters()], optimizer=self.optimizer,
-                prefix=averaging_prefix(self.m.run.id, self.index), fraction=a.avg_fraction, every=a.avg_every,
+                prefix=averaging_prefix(self.m.run.id, self.index, self.m.run.organiser),
+                fraction=a.avg_fraction, every=a.avg_every,
                 seed=self.m.run.seed + self.index, correction=a.avg_correction, timeout=a.avg_timeout_s,
                 period=a.avg_period_s, blend_steps=a.avg_blend_steps,
                 peers_fn=lambda: self.router.count_by_stage(self.m.n_stages)[self.index] + 1,
                 epoch_fn=lambda: self.runtime.trainer.epoch if self.runtime is not None else 0,
+                # only peers holding a live signed record for this stage share a group with us
+                members_fn=lambda: {p.peer_id for p in self.router.stage_peers(self.index)},
             )
             avg.start()
         except Exception as e:  # noqa: BLE001 - training works without averaging; say so

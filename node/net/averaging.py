@@ -34,6 +34,14 @@ weights in different bases, so a group whose epochs differ, or a round during wh
 entered a new epoch, is thrown away too (``rounds_epoch_discarded``): averages are taken within
 one epoch only.
 
+Who may average, and what is applied (docs/ASYNCMESH.md has the design): the matchmaking key
+lives in the run's namespace (``averaging_prefix``: run id and organiser fingerprint); before
+each round the averager process learns which peers hold a live signed record for this stage
+(``members_fn``) and shares a group with no one else; every member has weight one; each member
+reduces its range of the buffer with ``stages.robust_mean`` (a member outside the group's
+spread is dropped and counted) and refuses a range another reducer returns that lies too far
+from its own values (``stages.refused_reducers``); the round applies with the rest.
+
 hivemind constraints handled here: the averager is a child process (fork, dying with the node:
 ``node.net.hivemind_patches.SwarmAverager``) that must be started from the main thread (it sets a SIGINT handler; we restore the caller's afterwards); the
 averaged buffer is shared memory updated in place under the averager's lock; hivemind calls
@@ -48,19 +56,25 @@ import math
 import signal
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from node.net.averaging_round import AveragingStats, Round, run_round
-from stages import BlendedDelta, PartitionSchedule, StalenessCorrection, apply_average_delta, first_moments, snapshot
+from node.net.records import averaging_key_prefix
+from stages import (
+    AveragingLayout, BlendedDelta, PartitionSchedule, StalenessCorrection, apply_average_delta, first_moments, snapshot,
+)
 
 log = logging.getLogger("swarm.averaging")
 
 
-def averaging_prefix(run_id: str, stage: int) -> str:
-    """The matchmaking key of a stage's replicas; hivemind forbids '.' in it."""
-    return f"{run_id.replace('.', '_')}_stage{stage}_avg"
+def averaging_prefix(run_id: str, stage: int, organiser: str = "") -> str:
+    """The matchmaking key of a stage's replicas, in the run's namespace: the run id and the
+    fingerprint of its organiser key (none for an unsigned run), so runs of two organisers under
+    one id never meet; the formula is ``records.averaging_key_prefix``, which the record
+    validator uses to know the run's averaging keys."""
+    return averaging_key_prefix(run_id, stage, organiser)
 
 
 class ReplicaAverager:
@@ -69,9 +83,11 @@ class ReplicaAverager:
     Wiring in the stage runtime::
 
         avg = ReplicaAverager(dht, [p for _, p in stage.named_parameters()], optimizer=optimizer,
-                              prefix=averaging_prefix(m.run.id, stage_index), fraction=m.asyncmesh.avg_fraction,
+                              prefix=averaging_prefix(m.run.id, stage_index, m.run.organiser),
+                              fraction=m.asyncmesh.avg_fraction,
                               every=m.asyncmesh.avg_every, seed=m.run.seed + stage_index,
-                              correction=m.asyncmesh.avg_correction, timeout=m.asyncmesh.avg_timeout_s)
+                              correction=m.asyncmesh.avg_correction, timeout=m.asyncmesh.avg_timeout_s,
+                              members_fn=lambda: {p.peer_id for p in router.stage_peers(stage_index)})
         avg.start()                       # main thread, once
         ...  after each optimizer step:   avg.maybe_average(local_step)
         avg.close()
@@ -79,9 +95,13 @@ class ReplicaAverager:
     ``maybe_average`` mutates ``params`` in place (when a round finished), so call it between
     optimizer steps, never during a backward. ``peers_fn`` (optional) returns how many replicas
     of this stage are online, this one included; with fewer than two no round starts.
+    ``members_fn`` (optional) returns the peer ids that hold a live signed record for this stage
+    (this node aside): only they may share a group with this replica (read when a round starts;
+    without it anyone who matches the key may).
     ``optimizer`` gives the first moments the correction averages; without it (or with the
     correction off) only parameters are averaged. The buffer (and so the hivemind schema every
-    replica must share) depends only on ``correction``: 1 or 2 float32 slices of ``max_size``.
+    replica must share) depends only on ``correction``: 1 or 2 float32 slices of ``max_size``,
+    interleaved block by block (``stages.AveragingLayout``).
     """
 
     def __init__(
@@ -105,6 +125,7 @@ class ReplicaAverager:
         period: float = 5.0,
         clock: Callable[[], float] = time.time,
         blend_steps: int = 1,
+        members_fn: Callable[[], Iterable[str]] | None = None,
     ):
         if every < 1:
             raise ValueError(f"avg_every must be >= 1, got {every}")
@@ -117,7 +138,8 @@ class ReplicaAverager:
         self.params = list(params)
         self.schedule = PartitionSchedule([p.shape for p in self.params], fraction, seed)
         slices = 2 if correction else 1
-        buffer_bytes = 4 * slices * self.schedule.max_size
+        self.layout = AveragingLayout(slices, self.schedule.max_size)
+        buffer_bytes = 4 * self.layout.total
         if buffer_bytes > max_round_bytes:
             raise ValueError(
                 f"one averaging round would send {buffer_bytes} bytes (> {max_round_bytes}); "
@@ -127,11 +149,12 @@ class ReplicaAverager:
         self.optimizer = optimizer
         self.correction = StalenessCorrection(correction)
         self.peers_fn = peers_fn
+        self.members_fn = members_fn
         self.epoch_fn = epoch_fn  # the stage's morph epoch (read where maybe_average runs: the compute thread)
         self.stats = AveragingStats()
         # a round's parameter delta is applied over this many local steps (stages/avg_blend.py)
         self.blend = BlendedDelta(blend_steps)
-        self._buffer = torch.zeros(slices * self.schedule.max_size, dtype=torch.float32)
+        self._buffer = torch.zeros(self.layout.total, dtype=torch.float32)
         self._request_timeout = min(request_timeout, min_matchmaking_time / 2)
         self._averager_kwargs = dict(
             prefix=prefix,
@@ -168,7 +191,7 @@ class ReplicaAverager:
         previous = signal.getsignal(signal.SIGINT)
         from node.net.hivemind_patches import SwarmAverager
 
-        averager = SwarmAverager([self._buffer], self.dht, start=False, **self._averager_kwargs)
+        averager = SwarmAverager([self._buffer], self.dht, start=False, layout=self.layout, **self._averager_kwargs)
         try:
             averager.run_in_background(await_ready=True, timeout=max(30.0, self.timeout))
         except BaseException:
@@ -230,6 +253,7 @@ class ReplicaAverager:
             dt = max(0.0, now - self._last_call)
             self._call_seconds = dt if self._call_seconds == 0.0 else 0.7 * self._call_seconds + 0.3 * dt
         self._last_call = now
+        self._read_report()
         if self.blend.pending:
             if self.blend.epoch != self._epoch():  # re-based by a morph: the rest is for weights that are gone
                 log.info("averaging: %d parts of the last round's delta dropped (morph epoch changed)", self.blend.drop())
@@ -314,6 +338,8 @@ class ReplicaAverager:
             mask = [m is not None for m in moments]
             moment_snap = snapshot(moments, indices)
         rnd = Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic(), self._epoch())
+        if self.members_fn is not None:
+            rnd.members = self._members()
         # matchmaking may retry until just before this replica's next slot (never less than
         # ``lead`` after the start): a replica of the slot that was not found at its start (a
         # loaded machine, a lost request) is still met, and the next slot is never missed for it
@@ -350,7 +376,7 @@ class ReplicaAverager:
             return False
         g = len(rounds)
         self.stats.last_group_size = g
-        payload = 4 * self._buffer.numel() * 2 * (g - 1) // max(g, 1)
+        payload = 4 * self.layout.segments * self.layout.size * 2 * (g - 1) // max(g, 1)
         self.stats.bytes_sent += payload
         self.stats.bytes_received += payload
         if any(r != rnd.number for r in rounds):
@@ -385,6 +411,29 @@ class ReplicaAverager:
         self.stats.last_moment_lambda = sum(lam_m) / max(1, len(lam_m))
         return True
 
+    def _members(self) -> frozenset[str]:
+        """``members_fn()``; nobody (the round finds no group) when it keeps failing."""
+        for _ in range(3):
+            try:
+                return frozenset(str(p) for p in self.members_fn())
+            except RuntimeError:  # the routing table changed while it was read: read it again
+                continue
+        log.warning("averaging: the stage's members could not be read; this round averages with nobody")
+        return frozenset()
+
+    def _read_report(self) -> None:
+        """The averager process's counts of judged contributions and refused strangers."""
+        report = getattr(self._averager, "report", None)
+        if report is None:
+            return
+        before = (self.stats.contributions_dropped, self.stats.parts_refused, self.stats.groups_refused)
+        for name, value in report().items():
+            setattr(self.stats, name, value)
+        after = (self.stats.contributions_dropped, self.stats.parts_refused, self.stats.groups_refused)
+        if after != before:
+            log.warning("averaging: %d member contribution(s) dropped as outside the group's spread, %d returned "
+                        "part(s) refused, %d group(s) with a peer outside this stage refused (since start)", *after)
+
     def _epoch(self) -> int:
         return int(self.epoch_fn()) if self.epoch_fn is not None else 0
 
@@ -399,5 +448,5 @@ class ReplicaAverager:
         averager = self._averager
         if averager is None:
             raise RuntimeError("closed")
-        return run_round(averager, rnd, max_size=self.schedule.max_size, period=self.period, lead=self.lead,
+        return run_round(averager, rnd, layout=self.layout, period=self.period, lead=self.lead,
                          timeout=self.timeout, clock=self.clock)

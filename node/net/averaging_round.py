@@ -4,7 +4,9 @@ worker thread (``run_round``): put the snapshot into hivemind's shared buffer, j
 clock slot (the slot's number is the matchmaking group key, ``scheduled_time`` its start),
 all-reduce, and read back the average together with what every member of the group said about
 its round, moments and morph epoch. What the group members said is a peer's input: anything
-malformed fails the round (never a wrong average).
+malformed fails the round (never a wrong average). Before the round the averager process is told
+which peers may share its group (``Round.members``); the buffer holds the parameters and moments
+interleaved as ``stages.robust_avg.AveragingLayout`` says, so that the averager can judge each apart.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
+
+from stages import AveragingLayout
 
 
 @dataclass
@@ -28,6 +32,11 @@ class AveragingStats:
     rounds_mismatched: int = 0
     rounds_epoch_discarded: int = 0  # rounds thrown away because they spanned morph epochs
     rounds_state_replaced: int = 0  # rounds thrown away because this replica adopted other weights meanwhile
+    # contributions judged (docs/ASYNCMESH.md, "Who may average, and what is applied"), since start:
+    contributions_dropped: int = 0  # members this replica's reducer left out of a round (outside the spread)
+    parts_refused: int = 0  # ranges another reducer returned that this replica refused (kept its own values)
+    strangers_refused: int = 0  # join requests from / leaders that were peers without this stage's record
+    groups_refused: int = 0  # groups refused whole because they held such a peer
     skipped_alone: int = 0
     skipped_busy: int = 0
     bytes_sent: int = 0
@@ -61,19 +70,21 @@ class Round:
     find_until: float = 0.0  # unix time at which matchmaking gives up (set by _begin)
     future: concurrent.futures.Future | None = None
     control: object = None  # hivemind StepControl, set by the worker; close() cancels it
+    members: frozenset[str] | None = None  # peer ids that may share the group (None: anyone)
 
 
-def run_round(averager, rnd: Round, *, max_size: int, period: float, lead: float, timeout: float,
+def run_round(averager, rnd: Round, *, layout: AveragingLayout, period: float, lead: float, timeout: float,
               clock: Callable[[], float]) -> tuple[torch.Tensor, list[int], list[list[bool]], list[int]]:
-    """Average ``rnd``'s snapshot (and its moments' snapshot at ``max_size``) with the replicas
-    that join its slot (``period`` seconds long); returns the averaged buffer and, per group
-    member, its round number, moment mask and morph epoch. Raises when no group forms."""
-    n, m0 = rnd.snap.numel(), max_size
+    """Average ``rnd``'s snapshot (and its moments' snapshot, the layout's second segment) with
+    the replicas that join its slot (``period`` seconds long); returns the averaged segments one
+    after the other (``layout.size`` elements each) and, per group member, its round number,
+    moment mask and morph epoch. Raises when no group forms."""
+    parts = [rnd.snap] + ([rnd.moment_snap if rnd.moment_snap is not None else torch.zeros(0)]
+                          if layout.segments > 1 else [])
+    if hasattr(averager, "set_members"):
+        averager.set_members(rnd.members)
     with averager.get_tensors() as (buf,):
-        buf.zero_()
-        buf[:n].copy_(rnd.snap)
-        if rnd.moment_snap is not None:
-            buf[m0 : m0 + n].copy_(rnd.moment_snap)
+        layout.pack(parts, out=buf)
     gather = {"round": rnd.number, "moments": rnd.moment_mask, "epoch": rnd.epoch}
     # the slot's number is the group key: only replicas joining the same slot meet
     averager.set_group_bits(format(rnd.number % (1 << 16), "016b"))
@@ -89,7 +100,7 @@ def run_round(averager, rnd: Round, *, max_size: int, period: float, lead: float
         raise RuntimeError("no group")
     rounds, masks, epochs = _read_gathered(gathered.values(), len(rnd.moment_mask))
     with averager.get_tensors() as (buf,):
-        averaged = buf.clone()
+        averaged = torch.cat(layout.unpack(buf))
     return averaged, rounds, masks, epochs
 
 

@@ -20,7 +20,7 @@ from node.base import children_of
 from node.net.connections import free_tcp_port
 from node.net.hivemind_patches import SwarmDHT
 from node.net.reach import unreachable_line
-from node.net.records import ForgeryCounter, SwarmRecordValidator
+from node.net.records import ForgeryCounter, RunScope, SwarmRecordValidator
 from security import PeerKey
 
 log = logging.getLogger("swarm_node.dht")
@@ -62,6 +62,7 @@ def start_dht(
     retry_delay: float = 1.0,
     forgeries: ForgeryCounter | None = None,
     daemon_metrics: bool | None = None,
+    scope: RunScope | None = None,
 ) -> SwarmDHT:
     """Start the DHT (and its p2pd), bootstrapping from ``initial_peers`` with retries.
 
@@ -70,6 +71,10 @@ def start_dht(
     are refused and counted in ``forgeries``. Raises ``BootstrapError`` naming the peers and the fix
     when none answers after ``retries`` attempts, ``IdentityInUse`` when the key's peer id is
     already online. Call from the main thread.
+
+    ``scope``: the run this node is in (``RunScope.of(manifest)``): under that run's keys its
+    validator takes only the record type each key is for; without one (a bootstrap peer, which
+    serves any run) it checks every record's form, bounds, key and signature alone.
 
     ``daemon_metrics``: p2pd serves its own Prometheus metrics on a free loopback port
     (``dht.daemon_metrics_url``); default: when hole punching is on (``auto_nat``), since its
@@ -84,7 +89,7 @@ def start_dht(
         host_maddrs=host_maddrs,
         announce_maddrs=announce_maddrs or None,
         identity_path=identity_path or None,
-        record_validators=[SwarmRecordValidator(key, forgeries)],
+        record_validators=[SwarmRecordValidator(key, forgeries, scope)],
         startup_timeout=timeout,
         bootstrap_timeout=min(timeout, 5.0),
         wait_timeout=3,

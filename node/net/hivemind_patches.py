@@ -19,10 +19,15 @@ import signal
 from typing import Any
 
 import hivemind
+import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2P
 
 from node.base import children_of, set_parent_death_signal
+from node.net import dht_guard
 
 WRITTEN_AGAINST = "1.1.12"  # the hivemind version every patch here was written and tested against
 
@@ -112,10 +117,12 @@ _DEATH_SIGNAL = signal.SIGUSR2
 _require("run" in hivemind.DHT.__dict__, "DHT.run (the DHT child process's body)", "SwarmDHT")
 _require("run" in DecentralizedAverager.__dict__, "DecentralizedAverager.run (the averager child process's body)",
          "SwarmAverager")
+_require(dht_guard.missing_hivemind_name() is None, str(dht_guard.missing_hivemind_name()), "SwarmDHT (DHT guard)")
 
 
 class SwarmDHT(hivemind.DHT):
-    """``hivemind.DHT`` whose child process (and its ``p2pd``) dies with the node.
+    """``hivemind.DHT`` whose child process (and its ``p2pd``) dies with the node, and whose DHT
+    node is guarded against strangers (``node.net.dht_guard``).
 
     Why: hivemind's DHT child and its p2pd outlive a node killed with ``kill -9`` (nothing tells
     them), and a Ctrl-C to the node's process group kills them under the node's feet. Overrides
@@ -123,6 +130,13 @@ class SwarmDHT(hivemind.DHT):
 
     Must be started from the main thread: the parent-death signal fires when the *thread* that
     forked the child exits.
+
+    Why the guard: hivemind's DHT node lets a stranger hide a key's entries behind its cache, flood a
+    key past what one answer can carry, evict a record early by replaying an older one, and lose a
+    reader every honest entry of an answer with one bad entry. The child builds its node through
+    ``DHTNode.create`` (in ``DHT.run``); :func:`node.net.dht_guard.guard_this_process` makes that
+    node's protocol a ``GuardedDHTProtocol``, for every DHT node the project starts (regular nodes
+    and bootstrap peers all run a ``SwarmDHT``).
 
     ``daemon_metrics_addr`` (``host:port``, set before starting): p2pd also serves go-libp2p's own
     Prometheus metrics there (``-metricsAddr``, through :func:`add_daemon_flag` in the child),
@@ -165,16 +179,251 @@ class SwarmDHT(hivemind.DHT):
         if os.getppid() != parent:  # the node died before we set the signal
             on_parent_death(_DEATH_SIGNAL, None)
         static_relays_only()  # this process starts the p2pd
+        dht_guard.guard_this_process()  # the DHTNode that DHT.run creates below is a guarded one
         super().run()
 
 
 class SwarmAverager(DecentralizedAverager):
-    """hivemind's averager whose child process dies with the node, like :class:`SwarmDHT`.
+    """hivemind's averager for swarm-node's replica averaging: its child process dies with the
+    node, only the stage's own replicas may share a group, every member has weight one and a
+    share of the work set by the group's size alone, and contributions are judged before they
+    are applied (``stages.robust_avg``; docs/ASYNCMESH.md, "Who may average, and what is applied").
 
-    Why: the averager is a forked child that hivemind stops only on a clean shutdown; after
-    ``kill -9`` of the node alone it would run on. Overrides ``DecentralizedAverager.run``, the
-    child process's body (hivemind 1.1.12)."""
+    Why each override (hivemind 1.1.12):
+
+    - ``run`` (the child process's body): the averager is a forked child that hivemind stops only
+      on a clean shutdown; after ``kill -9`` of the node alone it would run on.
+    - members: hivemind lets anyone who matches the schema and the group key into a group. The
+      parent names the peers that hold a live signed record for the stage (``set_members``,
+      before each round); as a leader this averager refuses anyone else's join request, as a
+      follower it asks no one else to lead it (``Matchmaking._check_reasons_to_reject`` and
+      ``Matchmaking._request_join_group``, wrapped on its instance), and a group that still holds
+      someone else (another member let them in) is refused whole (``_aggregate_with_group``).
+    - weights and shares: hivemind takes each member's weight from what that member sends with
+      its parts, and each member's share of the reduction from the bandwidth and mode it claims;
+      here both are ignored: weight one, equal shares, every member a full node.
+    - judging: each chunk of this member's range is reduced by ``stages.robust_avg.robust_mean``
+      (its own contribution the reference) instead of a plain weighted sum, and once every range
+      has come back the ranges other reducers returned are checked against this member's own
+      (``refused_reducers``); a refused range keeps this member's values. Counts go back to the
+      parent in a small shared tensor (``report``).
+
+    One float32 tensor is averaged, laid out as ``layout`` (``stages.robust_avg.AveragingLayout``) says.
+    """
+
+    REPORT = ("contributions_dropped", "parts_refused", "strangers_refused", "groups_refused")
+
+    def __init__(self, averaged_tensors, dht, *, layout=None, **kwargs: Any):
+        tensors = list(averaged_tensors)
+        if len(tensors) != 1 or tensors[0].dtype != torch.float32:
+            raise ValueError("SwarmAverager averages exactly one float32 tensor")
+        self._layout = layout
+        self._members: frozenset[str] | None = None  # in the child: who may share a group (None: anyone)
+        self._report = torch.zeros(len(self.REPORT), dtype=torch.float64).share_memory_()
+        super().__init__(tensors, dht, **kwargs)
 
     def run(self) -> None:
         set_parent_death_signal(signal.SIGKILL)
         super().run()
+
+    # ---- the parent's side
+
+    def set_members(self, peer_ids) -> None:
+        """The peers (base58 ids) that may share this averager's next groups, this node aside;
+        None: anyone. Takes effect before any ``step`` sent after it."""
+        members = None if peer_ids is None else sorted(str(p) for p in peer_ids)
+        self._outer_pipe.send(("_set_members", [], dict(members=members)))
+
+    def report(self) -> dict[str, int]:
+        """Counts since start: members this averager's reducer dropped (per round, each member
+        once), ranges it refused as a receiver, join requests or leaders it refused (no stage
+        record), groups it refused because they held such a peer."""
+        return {name: int(v) for name, v in zip(self.REPORT, self._report.tolist())}
+
+    # ---- the child's side
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._report[self.REPORT.index(name)] += n
+
+    def _admits(self, peer_id) -> bool:
+        return self._members is None or peer_id == self.peer_id or peer_id.to_base58() in self._members
+
+    def _guard_matchmaking(self) -> None:
+        """Wrap this averager's ``Matchmaking`` (once) so that only members meet."""
+        mm = self._matchmaking
+        if getattr(mm, "_swarm_guarded", False):
+            return
+        check, request = mm._check_reasons_to_reject, mm._request_join_group
+
+        def check_reasons_to_reject(request_msg, context):
+            if not self._admits(context.remote_id):
+                from hivemind.proto import averaging_pb2
+
+                self._count("strangers_refused")
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return check(request_msg, context)
+
+        async def request_join_group(leader):
+            if not self._admits(leader):
+                self._count("strangers_refused")
+                return None
+            return await request(leader)
+
+        mm._check_reasons_to_reject, mm._request_join_group = check_reasons_to_reject, request_join_group
+        mm._swarm_guarded = True
+
+    async def _set_members(self, members) -> None:
+        self._members = None if members is None else frozenset(members)
+        self._guard_matchmaking()
+
+    async def _step(self, **kwargs: Any) -> None:
+        self._guard_matchmaking()
+        await super()._step(**kwargs)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
+        from hivemind.utils.asyncio import enter_asynchronously
+
+        try:
+            if not all(self._admits(p) for p in group_info.peer_ids):
+                self._count("groups_refused")
+                raise AllreduceException("the group holds a peer without a record for this stage")
+            gathered = {}
+            for peer_id, blob in zip(group_info.peer_ids, group_info.gathered):
+                _bandwidth, _mode, user_bytes = self.serializer.loads(blob)  # claims ignored: equal shares
+                gathered[peer_id] = self.serializer.loads(user_bytes)
+            g = len(group_info.peer_ids)
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=(1.0,) * g,
+                                                   modes=(AveragingMode.NODE,) * g, **kwargs)
+            return gathered
+        except Exception as e:  # noqa: BLE001 - like hivemind's: any failure fails this group
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs: Any) -> None:
+        from hivemind.compression import NoCompression
+        from hivemind.utils import get_dht_time
+        from hivemind.utils.asyncio import as_aiter, azip
+        from stages import chunk_elements
+
+        group_id = group_info.group_id if group_id is None else group_id
+        (buffer,) = tensors
+        chunk = chunk_elements(buffer.numel(), len(group_info.peer_ids))
+        kwargs.update(weight=1.0, part_size_bytes=4 * chunk, compression=NoCompression())
+        runner = _JudgingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                group_id=group_id, ordered_peer_ids=group_info.peer_ids, chunk=chunk,
+                                layout=self._layout, **kwargs)
+        if group_id not in self._running_groups:
+            raise AllreduceException("all-reduce group was not registered")
+        self._running_groups[group_id].set_result(runner)
+        updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
+        refused = runner.refused(buffer, updates[0])
+        self._count("contributions_dropped", len(runner.tensor_part_reducer.dropped))
+        self._count("parts_refused", len(refused))
+        buffer.add_(updates[0], alpha=self._averaging_alpha)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
+
+_require(callable(getattr(Matchmaking, "_check_reasons_to_reject", None)),
+         "Matchmaking._check_reasons_to_reject", "SwarmAverager")
+_require(callable(getattr(Matchmaking, "_request_join_group", None)), "Matchmaking._request_join_group",
+         "SwarmAverager")
+for _name in ("_step", "_aggregate_with_group", "_run_allreduce_inplace_"):
+    _require(_name in DecentralizedAverager.__dict__, f"DecentralizedAverager.{_name}", "SwarmAverager")
+_require("reset_accumulators" in TensorPartReducer.__dict__ and "accumulator" in
+         TensorPartReducer.check_current_part_finished.__code__.co_names,
+         "TensorPartReducer.reset_accumulators / .accumulator", "SwarmAverager")
+
+
+class _Contributions:
+    """Stands in for ``TensorPartReducer``'s accumulator of one chunk: keeps each sender's part
+    (hivemind adds them with ``add_`` and divides by the total weight with ``div_``), and its
+    ``div_`` returns the judged mean instead."""
+
+    def __init__(self, reducer: _JudgingReducer, part_index: int):
+        self.reducer, self.part_index, self.parts = reducer, part_index, {}
+
+    def add_(self, tagged, alpha=1.0):
+        sender, part = tagged
+        self.parts[sender] = part
+        return self
+
+    def div_(self, _denominator):
+        return self.reducer.judge(self.part_index, self.parts)
+
+
+class _JudgingReducer(TensorPartReducer):
+    """hivemind's reducer of this member's range, each chunk judged by ``robust_mean``; a member
+    dropped on one chunk stays dropped for the rest of the range (``dropped``). A part of the
+    wrong shape fails its sender (hivemind then excludes it from the round)."""
+
+    def __init__(self, part_shapes, num_senders: int, *, own: int, segments):
+        self.own, self.segments, self.dropped = own, segments, set()
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _Contributions(self, self.current_part_index)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
+        shape = self.part_shapes[part_index] if 0 <= part_index < self.num_parts else None
+        if not isinstance(tensor_part, torch.Tensor) or shape is None or tensor_part.shape != shape:
+            raise AllreduceException(f"sender {sender_index} sent a part of the wrong shape")
+        # the sender's weight is ignored: every member counts once
+        return await super().accumulate_part(sender_index, part_index, (sender_index, tensor_part.float()), 1.0)
+
+    def judge(self, part_index: int, parts: dict):
+        from stages import robust_mean
+
+        if not parts:  # every sender failed before this chunk: nothing to average
+            return torch.zeros(self.part_shapes[part_index])
+        live = sorted(s for s in parts if s not in self.dropped)
+        if self.own in parts and self.own not in live:
+            live.append(self.own)
+        stacked = torch.stack([parts[s] for s in live])
+        own = live.index(self.own) if self.own in live else None
+        segments = self.segments[part_index] if self.segments is not None else None
+        try:
+            mean, kept = robust_mean(stacked, own=own, segments=segments)
+        except ValueError:  # no finite contribution at all: this chunk keeps everyone's own values
+            return parts[self.own].clone() if self.own in parts else torch.zeros_like(stacked[0])
+        self.dropped |= {s for s, k in zip(live, kept.tolist()) if not k}
+        return mean
+
+
+class _JudgingRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce with a ``_JudgingReducer`` for this member's range and a
+    check of the ranges the others return (``refused``)."""
+
+    def __init__(self, *, chunk: int, layout, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.layout = layout  # stages.AveragingLayout, or None: one segment
+        container = self.tensor_part_container
+        self.me = self.ordered_peer_ids.index(self.peer_id)
+        total = container.total_size
+        # peer i reduces chunks [first[i], first[i+1]) of the one flat tensor, each ``chunk`` long
+        first = [0]
+        for n in container.num_parts_by_peer:
+            first.append(first[-1] + n)
+        self.ranges = [(min(total, first[i] * chunk), min(total, first[i + 1] * chunk))
+                       for i in range(len(self.ordered_peer_ids))]
+        segments = None
+        if layout is not None:
+            segments = [layout.segment_ids((first[self.me] + j) * chunk, part.numel())
+                        for j, part in enumerate(self.parts_for_local_averaging)]
+        old = self.tensor_part_reducer
+        old.finished.set()  # never used: keeps it from logging "received 0%" when collected
+        self.tensor_part_reducer = _JudgingReducer(tuple(p.shape for p in self.parts_for_local_averaging),
+                                                   len(self.sender_peer_ids), own=self.me, segments=segments)
+
+    def refused(self, own: torch.Tensor, update: torch.Tensor) -> set[int]:
+        """The reducers whose range this member refuses; their part of ``update`` is zeroed."""
+        from stages import refused_reducers
+
+        flat_own, flat_update = own.reshape(-1), update.reshape(-1)
+        refused = refused_reducers(flat_own, flat_own + flat_update, self.ranges, self.me, layout=self.layout)
+        for k in refused:
+            lo, hi = self.ranges[k]
+            flat_update[lo:hi] = 0.0
+        return refused

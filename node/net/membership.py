@@ -35,14 +35,12 @@ import time
 from dataclasses import dataclass, field
 
 import hivemind
-from hivemind.utils import get_dht_time
 
 from node.net.p2pd import split_peer
 from node.net.dht import dht_result
-from node.net.records import manifest_subkey, peer_subkey
+from node.net.records import manifest_subkey, peer_subkey, run_key, run_namespace_of, writer_expiration
 from node.net.routing import announced_rate
 from protocol import PROTOCOL_VERSION
-from security import organiser_fingerprint
 from stages import (
     Manifest,
     ManifestError,
@@ -55,6 +53,7 @@ from stages import (
 log = logging.getLogger("swarm_node.membership")
 
 STATES = ("joining", "online", "draining", "offline")
+MAX_MADDRS = 16  # addresses a reader keeps of one announcement (a writer announces no more)
 
 
 class ManifestMismatch(Exception):
@@ -84,6 +83,7 @@ class PeerRecord:
     # yet; None: the record has no such field (a peer from before it: weigh it by throughput)
     queue: int = 0  # requests waiting for its compute
     version: int = 0  # its optimizer step count
+    epoch: int | None = None  # its morph epoch; None: morphing off, or a peer from before the field
     protocol: int = PROTOCOL_VERSION
     maddrs: list[str] = field(default_factory=list)
     time: float = 0.0
@@ -97,6 +97,8 @@ class PeerRecord:
         }
         if self.capacity is not None:
             value["capacity"] = float(self.capacity)
+        if self.epoch is not None:
+            value["epoch"] = int(self.epoch)
         return value
 
     @classmethod
@@ -110,13 +112,14 @@ class PeerRecord:
                 throughput=float(value.get("throughput", 0.0)),
                 capacity=float(value["capacity"]) if "capacity" in value else None,
                 queue=int(value.get("queue", 0)), version=int(value.get("version", 0)),
+                epoch=int(value["epoch"]) if value.get("epoch") is not None else None,
                 protocol=int(value.get("protocol", 0)),
-                maddrs=[str(m) for m in value.get("maddrs", [])][:16], time=float(value.get("time", 0.0)),
+                maddrs=[str(m) for m in value.get("maddrs", [])][:MAX_MADDRS], time=float(value.get("time", 0.0)),
                 expiration=float(expiration),
             )
         except (KeyError, TypeError, ValueError):
             return None
-        if rec.state not in STATES or rec.stage < 0 or not rec.peer_id:
+        if rec.state not in STATES or rec.stage < 0 or not rec.peer_id or (rec.epoch or 0) < 0:
             return None
         if not all(math.isfinite(x) and x >= 0 for x in (rec.throughput, rec.capacity or 0.0)):
             return None  # a NaN would win or lose every routing comparison
@@ -140,9 +143,9 @@ def choose_stage(records: list[PeerRecord], n_stages: int) -> int:
 
 def run_namespace(manifest: Manifest) -> str:
     """The run's DHT namespace: ``swarm-node/<run id>/<organiser fingerprint>`` (no fingerprint for
-    an unsigned run)."""
-    organiser = manifest.run.organiser
-    return f"swarm-node/{manifest.run.id}" + (f"/{organiser_fingerprint(organiser)}" if organiser else "")
+    an unsigned run); the formula is ``records.run_namespace_of``, which the record validator
+    uses to bind a published manifest to its key."""
+    return run_namespace_of(manifest.run.id, manifest.run.organiser)
 
 
 class Membership:
@@ -157,8 +160,8 @@ class Membership:
         self.hash = manifest_hash(manifest)
         self.ttl = ttl
         namespace = run_namespace(manifest)
-        self.key_manifest = f"{namespace}/manifest"
-        self.key_peers = f"{namespace}/peers"
+        self.key_manifest = run_key(namespace, "manifest")
+        self.key_peers = run_key(namespace, "peers")
         self.manifest_subkey = manifest_subkey(manifest.run.organiser)
         self.peer_id = dht.peer_id.to_base58()
         self.subkey = peer_subkey(self.peer_id)
@@ -209,7 +212,8 @@ class Membership:
         raise ManifestMismatch(self.run, fields, their_hash, self.hash)
 
     def _store_manifest(self, **kwargs):
-        return self.dht.store(self.key_manifest, self._manifest_value(), get_dht_time() + self.ttl * 3,
+        # capped where every reader takes it (records.MAX_RECORD_TTL_S), whatever --announce-every is
+        return self.dht.store(self.key_manifest, self._manifest_value(), writer_expiration(self.ttl * 3),
                               subkey=self.manifest_subkey, **kwargs)
 
     def check_and_publish_manifest(self, timeout: float = 30.0) -> bool:
@@ -258,7 +262,7 @@ class Membership:
 
     async def aannounce(self, record: PeerRecord, ttl: float | None = None, timeout: float = 10.0) -> bool:
         record.time = time.time()
-        fut = self.dht.store(self.key_peers, record.to_value(), get_dht_time() + (ttl or self.ttl),
+        fut = self.dht.store(self.key_peers, record.to_value(), writer_expiration(ttl or self.ttl),
                              subkey=self.subkey, return_future=True)
         return bool(await asyncio.wait_for(fut, timeout))
 

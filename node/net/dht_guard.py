@@ -1,0 +1,645 @@
+"""The DHT's storage and lookup side, hardened against strangers: a node's storage for a key cannot
+be hidden, flooded past a bound or emptied early by a replay, and a reader keeps every valid
+entry of an answer.
+
+hivemind's DHT (pinned 1.1.12) trusts whoever talks to it more than a public swarm can afford.
+``SwarmDHT`` (``node.net.hivemind_patches``) runs every DHT node of the project, regular nodes and
+bootstrap peers alike, with :class:`GuardedDHTProtocol` in place of hivemind's ``DHTProtocol``.
+What it changes, and why:
+
+Cache shadowing
+    hivemind's ``rpc_store`` stores into the node's *cache* when the caller says ``in_cache``, and
+    its ``rpc_find`` answers from the cache whenever the cached copy expires later than the stored
+    one: one entry sent "for the cache" with a far expiry, at the nodes nearest a key (a node picks
+    its own DHT id, so being nearest is cheap), hides every honest announcement stored there. Here
+    the caller's ``in_cache`` flag is ignored (such a store is an ordinary store, under the same
+    validation and bounds), only the node's own lookups fill its cache, and ``rpc_find`` answers
+    from storage whenever storage holds the key (the cache only for keys storage lacks).
+
+Unbounded keys
+    hivemind keeps any number of entries under a key, of any size, and answers them all in one
+    message: past p2pd's 4 MiB limit the node can no longer answer that key at all, and memory
+    grows without bound. Here a key holds at most ``MAX_ENTRIES_PER_KEY`` entries and
+    ``MAX_BYTES_PER_KEY`` bytes, one sender adds at most ``MAX_ENTRIES_PER_WRITER`` new entries to
+    a key, an entry is at most ``MAX_ENTRY_BYTES``, and the whole storage at most
+    ``MAX_STORAGE_BYTES``. When a bound is reached a *new* subkey is refused; an existing subkey's
+    refresh (a newer record for it) still goes in. An answer never exceeds ``MAX_ANSWER_BYTES``.
+
+Verification work per request
+    A store request is validated record by record (a signature check each, about half a
+    millisecond); hivemind validates all of a request's records in one go, so thousands of records
+    block the node's event loop for seconds. Here a request is validated for at most
+    ``MAX_RECORDS_PER_REQUEST`` records (the rest are refused unread) and the node yields to its
+    event loop every ``VALIDATE_CHUNK`` records.
+
+Replays evict
+    hivemind's ``TimedStorage.store`` records the expiry of an incoming value in its expiry heap
+    *before* it refuses the value as older than the one it holds; when that older expiry comes, the
+    heap drops the newer value. A replayed old record thus deletes the current one early. Here the
+    heap is updated only for a value that is accepted.
+
+All-or-nothing dictionaries
+    hivemind drops a whole dictionary answer when one of its entries fails validation, honest
+    entries included, and takes the answer's expiry as its sender claims it (a claimed expiry of
+    infinity ends a reader's ``latest=True`` lookup at once). Here a reader keeps each valid entry
+    of an answer, drops the others, and dates the answer by its valid entries alone.
+
+Reader's own storage
+    hivemind's lookup merges remote answers into the very dictionary object its local storage
+    holds, past any bound. Here storage hands out copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import heapq
+from typing import Any, Optional
+
+import hivemind.dht.node as hivemind_node
+from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2PContext
+from hivemind.proto import dht_pb2
+from hivemind.utils.timed_storage import (
+    ROOT,
+    HeapEntry,
+    TimedStorage,
+    ValueWithExpiration,
+    get_dht_time,
+)
+
+MAX_ENTRIES_PER_KEY = 1024  # subkeys one key holds
+MAX_BYTES_PER_KEY = 1 << 20  # their bytes (subkey + value + ENTRY_OVERHEAD each): well under p2pd's 4 MiB
+MAX_ENTRIES_PER_WRITER = 128  # new subkeys one sender may add to one key
+MAX_ENTRY_BYTES = 64 << 10  # one value
+MAX_STORAGE_BYTES = 64 << 20  # everything one storage holds
+MAX_RECORDS_PER_REQUEST = 256  # records validated per store request; the rest are refused unread
+MAX_KEYS_PER_FIND = 64  # keys answered per find request (hivemind asks at most 16 at a time)
+MAX_ANSWER_BYTES = 3 << 20  # values in one find answer, all keys together (p2pd refuses over 4 MiB)
+VALIDATE_CHUNK = 32  # records validated between two yields to the event loop
+ENTRY_OVERHEAD = 64  # bytes counted per entry beyond its subkey and value (expiry, framing)
+KEY_OVERHEAD = 1024  # bytes counted per key against MAX_STORAGE_BYTES (its bookkeeping objects)
+SWEEP_EVERY_S = 1.0  # a full storage counts its lazily expired entries again at most this often
+SELF = "self"  # the writer of what the node stores itself (its own records, its own lookups)
+
+_PLAIN_SUBKEY = DHTProtocol.IS_REGULAR_VALUE
+_WHOLE_DICTIONARY = DHTProtocol.IS_DICTIONARY
+
+
+def _entry_size(subkey_bytes: bytes, value: bytes) -> int:
+    return len(subkey_bytes) + len(value) + ENTRY_OVERHEAD
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+class OrderedTimedStorage(TimedStorage):
+    """hivemind's ``TimedStorage`` whose expiry heap follows only the values it holds.
+
+    Why: ``TimedStorage.store`` (hivemind 1.1.12) pushes the incoming expiry onto its heap and
+    points the key at it before it compares expiries; a refused older value leaves the key pointing
+    at the older expiry, and when that passes the newer value is deleted. Here the comparison comes
+    first. Removals go through :meth:`_dropped` so subclasses can keep counts."""
+
+    def _put(self, key, value, expiration_time: float) -> bool:
+        if expiration_time < get_dht_time() and not self.frozen:
+            return False
+        current = self.data.get(key)
+        if current is not None and current.expiration_time >= expiration_time:
+            return False  # an older (or the same) value: refused before the heap sees it
+        entry = HeapEntry(expiration_time, key)
+        self.key_to_heap[key] = entry
+        heapq.heappush(self.expiration_heap, entry)
+        self.data[key] = ValueWithExpiration(value, expiration_time)
+        if current is not None:
+            self._replaced(key, current, value)
+        else:
+            self._remove_outdated()
+        return True
+
+    def store(self, key, value, expiration_time: float) -> bool:
+        return self._put(key, value, expiration_time)
+
+    def _remove_outdated(self) -> None:
+        now = get_dht_time()
+        heap = self.expiration_heap
+        while not self.frozen and heap and (heap[ROOT].expiration_time < now or len(self.data) > self.maxsize):
+            entry = heapq.heappop(heap)
+            if self.key_to_heap.get(entry.key) == entry:
+                item = self.data.pop(entry.key)
+                del self.key_to_heap[entry.key]
+                self._dropped(entry.key, item)
+
+    def __delitem__(self, key) -> None:
+        if key in self.key_to_heap:
+            item = self.data.pop(key)
+            del self.key_to_heap[key]
+            self._dropped(key, item)
+
+    def clear(self) -> None:
+        for key in list(self.data):
+            del self[key]
+        self.expiration_heap.clear()
+
+    def _dropped(self, key, item: ValueWithExpiration) -> None:
+        """``key`` (holding ``item``) left the storage: expired, evicted or deleted."""
+
+    def _replaced(self, key, old: ValueWithExpiration, new) -> None:
+        """``key``'s value ``old`` was replaced by a newer one, ``new``."""
+
+
+class KeyEntries(OrderedTimedStorage):
+    """The subkeys of one key, with their sizes and who added each (internal to
+    :class:`GuardedLocalStorage`; lookups get plain ``DictionaryDHTValue`` copies)."""
+
+    def __init__(self, owner: GuardedLocalStorage):
+        super().__init__()
+        self.owner = owner
+        self.nbytes = 0
+        self.latest_expiration_time = float("-inf")
+        self._size: dict[Any, int] = {}
+        self._writer: dict[Any, Any] = {}
+        self._per_writer: dict[Any, int] = {}
+
+    def admit(self, subkey, subkey_bytes: bytes, value: bytes, expiration_time: float, writer) -> bool:
+        """Store one entry within the bounds; False if refused (older than the one held, or a new
+        subkey past a bound)."""
+        if len(value) > MAX_ENTRY_BYTES:
+            return False
+        self._remove_outdated()
+        size = _entry_size(subkey_bytes, value)
+        held = self.data.get(subkey)
+        if held is not None:  # a refresh: no new subkey, only its size may change
+            if held.expiration_time >= expiration_time:
+                return False
+            grow = size - self._size[subkey]
+            if grow > 0 and (self.nbytes + grow > MAX_BYTES_PER_KEY or not self.owner.has_room(grow)):
+                return False
+        else:
+            if len(self.data) >= MAX_ENTRIES_PER_KEY or self.nbytes + size > MAX_BYTES_PER_KEY:
+                return False
+            if writer != SELF and self._per_writer.get(writer, 0) >= MAX_ENTRIES_PER_WRITER:
+                return False
+            if not self.owner.has_room(size):
+                return False
+        if not self._put(subkey, value, expiration_time):
+            return False
+        if held is None:
+            self._writer[subkey] = writer
+            self._per_writer[writer] = self._per_writer.get(writer, 0) + 1
+        self._size[subkey] = size
+        self.nbytes += size
+        self.owner.total_bytes += size
+        self.latest_expiration_time = max(self.latest_expiration_time, expiration_time)
+        return True
+
+    def _replaced(self, key, old: ValueWithExpiration, new=None) -> None:
+        size = self._size.pop(key)
+        self.nbytes -= size
+        self.owner.total_bytes -= size
+
+    def _dropped(self, key, item: ValueWithExpiration) -> None:
+        self._replaced(key, item)
+        writer = self._writer.pop(key)
+        left = self._per_writer[writer] - 1
+        if left:
+            self._per_writer[writer] = left
+        else:
+            del self._per_writer[writer]
+
+    def plain(self, budget: float = float("inf")) -> tuple[DictionaryDHTValue, int]:
+        """A hivemind ``DictionaryDHTValue`` copy of the live entries, freshest first while they fit
+        in ``budget`` bytes; and the bytes it holds."""
+        self._remove_outdated()
+        copy, used = DictionaryDHTValue(), 0
+        for subkey, item in sorted(self.data.items(), key=lambda kv: -kv[1].expiration_time):
+            size = self._size[subkey]
+            if used + size > budget:
+                continue
+            copy.store(subkey, item.value, item.expiration_time)
+            used += size
+        return copy, used
+
+
+class GuardedLocalStorage(DHTLocalStorage):
+    """A DHT node's storage (or cache) with bounds per key, per sender and in total, expiry that a
+    replay cannot shorten, and copies handed out instead of the dictionaries it holds (see the
+    module docstring). A drop-in for hivemind's ``DHTLocalStorage`` as ``DHTNode`` and
+    ``DHTProtocol`` use it: ``store``, ``store_subkey``, ``get``, ``items``, ``top``, ``in``, ``len``."""
+
+    # the ordered heap of OrderedTimedStorage, for the top-level keys
+    _put = OrderedTimedStorage._put
+    _remove_outdated = OrderedTimedStorage._remove_outdated
+    __delitem__ = OrderedTimedStorage.__delitem__
+    clear = OrderedTimedStorage.clear
+
+    def __init__(self, maxsize: Optional[int] = None):
+        super().__init__(maxsize=maxsize)
+        self.total_bytes = 0  # what the bounds count: entries' sizes and KEY_OVERHEAD per key
+        self._swept_at = float("-inf")
+
+    def has_room(self, size: int) -> bool:
+        if self.total_bytes + size <= MAX_STORAGE_BYTES:
+            return True
+        now = get_dht_time()
+        if now - self._swept_at >= SWEEP_EVERY_S:  # entries expire lazily: count again before refusing
+            self._swept_at = now
+            self._remove_outdated()
+            for item in list(self.data.values()):
+                if isinstance(item.value, KeyEntries):
+                    item.value._remove_outdated()
+        return self.total_bytes + size <= MAX_STORAGE_BYTES
+
+    def _new_key(self, key, value, expiration_time: float) -> bool:
+        """``_put`` for a key not held, counting its KEY_OVERHEAD."""
+        if not self._put(key, value, expiration_time):
+            return False
+        self.total_bytes += KEY_OVERHEAD
+        return True
+
+    @staticmethod
+    def _content(value) -> int:
+        return value.nbytes if isinstance(value, KeyEntries) else _entry_size(b"", value)
+
+    def _dropped(self, key, item: ValueWithExpiration) -> None:
+        self.total_bytes -= KEY_OVERHEAD + self._content(item.value)
+
+    def _replaced(self, key, old: ValueWithExpiration, new) -> None:
+        if old.value is not new:  # (not the same key's entries, now living longer)
+            self.total_bytes -= self._content(old.value)
+
+    # ---- writing
+
+    def store(self, key: DHTID, value, expiration_time: float, subkey=None, writer=SELF) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time, writer=writer)
+        if isinstance(value, DictionaryDHTValue):  # the node caching a dictionary it looked up
+            return self.store_dictionary(key, value, writer=writer) > 0
+        if not isinstance(value, bytes) or len(value) > MAX_ENTRY_BYTES:
+            return False
+        self._remove_outdated()
+        held = self.data.get(key)
+        if held is not None and held.expiration_time >= expiration_time:
+            return False
+        if not self.has_room(_entry_size(b"", value) + (KEY_OVERHEAD if held is None else 0)):
+            return False
+        if not (self._new_key if held is None else self._put)(key, value, expiration_time):
+            return False
+        self.total_bytes += _entry_size(b"", value)
+        return True
+
+    def store_subkey(self, key: DHTID, subkey, value: bytes, expiration_time: float, writer=SELF,
+                     subkey_bytes: Optional[bytes] = None) -> bool:
+        """hivemind's rule (a dictionary replaces a plain value only if it expires later), within
+        the bounds."""
+        if not isinstance(value, bytes):
+            return False
+        self._remove_outdated()
+        held = self.data.get(key)
+        if subkey_bytes is None:
+            subkey_bytes = DHTProtocol.serializer.dumps(subkey)
+        if held is None or (not isinstance(held.value, KeyEntries) and expiration_time > held.expiration_time):
+            # a new key (or a dictionary replacing a plain value that expires sooner, as in hivemind)
+            if not self.has_room(KEY_OVERHEAD + _entry_size(subkey_bytes, value)):
+                return False
+            entries = KeyEntries(self)
+            if not entries.admit(subkey, subkey_bytes, value, expiration_time, writer):
+                return False
+            if held is not None:
+                del self[key]
+            if not self._new_key(key, entries, entries.latest_expiration_time):
+                self.total_bytes -= entries.nbytes
+                return False
+            return True
+        if not isinstance(held.value, KeyEntries):
+            return False
+        entries = held.value
+        if not entries.admit(subkey, subkey_bytes, value, expiration_time, writer):
+            return False
+        if entries.latest_expiration_time > held.expiration_time:  # the key lives as long as its latest entry
+            self._put(key, entries, entries.latest_expiration_time)
+        return True
+
+    def store_dictionary(self, key: DHTID, dictionary: DictionaryDHTValue, writer=SELF) -> int:
+        """Each entry of ``dictionary`` as a subkey of ``key``; how many went in."""
+        stored = 0
+        for subkey, item in list(dictionary.items()):
+            stored += self.store_subkey(key, subkey, item.value, item.expiration_time, writer=writer)
+        return stored
+
+    # ---- reading
+
+    def entries(self, key: DHTID) -> Optional[ValueWithExpiration]:
+        """What the storage holds under ``key`` itself (no copy): bytes or :class:`KeyEntries`."""
+        self._remove_outdated()
+        return self.data.get(key)
+
+    def get(self, key: DHTID) -> Optional[ValueWithExpiration]:
+        """A copy: hivemind's lookup merges remote answers into the dictionary it gets from here."""
+        item = self.entries(key)
+        if item is None or not isinstance(item.value, KeyEntries):
+            return item
+        copy, _ = item.value.plain()
+        if not copy.data:
+            return None
+        return ValueWithExpiration(copy, item.expiration_time)
+
+    def items(self):
+        self._remove_outdated()
+        for key in list(self.data):
+            item = self.get(key)
+            if item is not None:
+                yield key, item
+
+    def top(self):
+        self._remove_outdated()
+        while self.expiration_heap and self.key_to_heap.get(self.expiration_heap[ROOT].key) != self.expiration_heap[ROOT]:
+            heapq.heappop(self.expiration_heap)
+        if not self.expiration_heap:
+            return None, None
+        key = self.expiration_heap[ROOT].key
+        return key, self.get(key)
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+class GuardedDHTProtocol(DHTProtocol):
+    """hivemind's ``DHTProtocol`` (1.1.12) with the storage of :class:`GuardedLocalStorage` and the
+    ``rpc_store``, ``rpc_find`` and dictionary validation described in the module docstring. Other
+    nodes see the same RPC names as hivemind's (``DHTProtocol.rpc_*``), so guarded and plain nodes
+    talk to each other."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace, method_name: str) -> str:
+        # hivemind names a servicer's handlers after its class; ours must answer as DHTProtocol's
+        return DHTProtocol._get_handle_name(namespace, method_name)
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> GuardedDHTProtocol:
+        self = await super().create(*args, **kwargs)
+        self._guard_storage()  # a client-mode node registers no handlers: its storage is guarded here
+        return self
+
+    async def add_p2p_handlers(self, p2p, wrapper=None, **kwargs: Any) -> None:
+        # DHTProtocol.create makes hivemind's storage and cache just before it starts serving:
+        # swap both before the first request can reach them
+        self._guard_storage()
+        await super().add_p2p_handlers(p2p, wrapper, **kwargs)
+
+    def _guard_storage(self) -> None:
+        if not isinstance(self.storage, GuardedLocalStorage):
+            self.storage = GuardedLocalStorage()
+        if not isinstance(self.cache, GuardedLocalStorage):
+            maxsize = self.cache.maxsize
+            self.cache = GuardedLocalStorage(maxsize=None if maxsize == float("inf") else maxsize)
+
+    # ---- serving
+
+    async def rpc_store(self, request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
+        """hivemind's store, but: ``in_cache`` is ignored (everything goes to storage, under the same
+        checks), dictionaries are taken entry by entry, at most ``MAX_RECORDS_PER_REQUEST`` records are
+        validated, the event loop gets a turn every ``VALIDATE_CHUNK`` validations, and storage bounds
+        apply per sender (``context.remote_id``)."""
+        if request.peer:  # as hivemind: the sender joins our routing table
+            asyncio.create_task(self.rpc_ping(dht_pb2.PingRequest(peer=request.peer), context))
+        response = dht_pb2.StoreResponse(store_ok=[], peer=self.node_info)
+        n = len(request.keys)
+        if not (len(request.subkeys) == len(request.values) == len(request.expiration_time) == n):
+            response.store_ok.extend([False] * n)
+            return response
+        writer = context.remote_id if context.remote_id is not None else "unknown"
+        budget = [MAX_RECORDS_PER_REQUEST, VALIDATE_CHUNK]  # records left to validate; until the next yield
+        for key, tag, value, expiration_time in zip(
+                request.keys, request.subkeys, request.values, request.expiration_time):
+            try:
+                key_id = DHTID.from_bytes(key)
+            except Exception:  # noqa: BLE001 - a malformed key id: refused
+                response.store_ok.append(False)
+                continue
+            if tag == _WHOLE_DICTIONARY:
+                ok = await self._store_whole_dictionary(key, key_id, value, writer, budget)
+            else:
+                ok = await self._store_one(key, key_id, tag, value, expiration_time, writer, budget)
+            response.store_ok.append(ok)
+        return response
+
+    async def _spend(self, budget: list[int]) -> bool:
+        """One validation from the request's budget; yield to the loop every VALIDATE_CHUNK."""
+        if budget[0] <= 0:
+            return False
+        budget[0] -= 1
+        budget[1] -= 1
+        if budget[1] <= 0:
+            budget[1] = VALIDATE_CHUNK
+            await asyncio.sleep(0)
+        return True
+
+    async def _store_one(self, key: bytes, key_id: DHTID, tag: bytes, value: bytes, expiration_time: float,
+                         writer, budget: list[int]) -> bool:
+        if len(value) > MAX_ENTRY_BYTES or not await self._spend(budget):
+            return False
+        if not self._validate_record(key, tag, value, expiration_time):
+            return False
+        if tag == _PLAIN_SUBKEY:
+            return self.storage.store(key_id, value, expiration_time)
+        try:
+            subkey = self.serializer.loads(tag)
+            hash(subkey)
+        except Exception:  # noqa: BLE001 - not a subkey hivemind could have written
+            return False
+        return self.storage.store_subkey(key_id, subkey, value, expiration_time, writer=writer, subkey_bytes=tag)
+
+    async def _store_whole_dictionary(self, key: bytes, key_id: DHTID, value: bytes, writer,
+                                      budget: list[int]) -> bool:
+        """Each entry on its own (hivemind refuses the whole dictionary for one bad entry)."""
+        if len(value) > MAX_BYTES_PER_KEY * 2 or budget[0] <= 0:
+            return False
+        try:
+            dictionary = self.serializer.loads(value)
+        except Exception:  # noqa: BLE001 - not a dictionary hivemind could have written
+            return False
+        if not isinstance(dictionary, DictionaryDHTValue):
+            return False
+        all_ok = True
+        for subkey, (item_value, item_expiration) in list(dictionary.data.items()):
+            try:
+                subkey_bytes = self.serializer.dumps(subkey)
+            except Exception:  # noqa: BLE001
+                all_ok = False
+                continue
+            ok = isinstance(item_value, bytes) and await self._store_one(
+                key, key_id, subkey_bytes, item_value, item_expiration, writer, budget)
+            all_ok = all_ok and ok
+        return all_ok
+
+    async def rpc_find(self, request: dht_pb2.FindRequest, context: P2PContext) -> dht_pb2.FindResponse:
+        """hivemind's find, but: storage answers whenever it holds the key (the cache only for keys it
+        lacks, and only the node itself fills the cache), and the answer stays within
+        ``MAX_ANSWER_BYTES`` (freshest entries first)."""
+        if request.peer:  # as hivemind: the sender joins our routing table
+            asyncio.create_task(self.rpc_ping(dht_pb2.PingRequest(peer=request.peer), context))
+        response = dht_pb2.FindResponse(results=[], peer=self.node_info)
+        try:
+            exclude = DHTID.from_bytes(request.peer.node_id) if request.peer.node_id else None
+        except Exception:  # noqa: BLE001
+            exclude = None
+        budget = MAX_ANSWER_BYTES
+        for i, key in enumerate(request.keys):
+            try:
+                key_id = DHTID.from_bytes(key)
+            except Exception:  # noqa: BLE001
+                response.results.append(dht_pb2.FindResult(type=dht_pb2.NOT_FOUND))
+                continue
+            if i >= MAX_KEYS_PER_FIND:
+                response.results.append(dht_pb2.FindResult(type=dht_pb2.NOT_FOUND))
+                continue
+            item = self.storage.entries(key_id)
+            if item is None:
+                item = self.cache.entries(key_id)
+            result, used = self._answer(item, budget)
+            budget -= used
+            for node_id, peer_id in self.routing_table.get_nearest_neighbors(key_id, k=self.bucket_size,
+                                                                              exclude=exclude):
+                result.nearest_node_ids.append(node_id.to_bytes())
+                result.nearest_peer_ids.append(peer_id.to_bytes())
+            response.results.append(result)
+        return response
+
+    def _answer(self, item: Optional[ValueWithExpiration], budget: int) -> tuple[dht_pb2.FindResult, int]:
+        if item is None:
+            return dht_pb2.FindResult(type=dht_pb2.NOT_FOUND), 0
+        if isinstance(item.value, KeyEntries):
+            copy, used = item.value.plain(budget)
+            if not copy.data:
+                return dht_pb2.FindResult(type=dht_pb2.NOT_FOUND), 0
+            return dht_pb2.FindResult(type=dht_pb2.FOUND_DICTIONARY, value=self.serializer.dumps(copy),
+                                      expiration_time=copy.latest_expiration_time), used
+        if len(item.value) > budget:
+            return dht_pb2.FindResult(type=dht_pb2.NOT_FOUND), 0
+        return dht_pb2.FindResult(type=dht_pb2.FOUND_REGULAR, value=item.value,
+                                  expiration_time=item.expiration_time), len(item.value)
+
+    # ---- reading others' answers
+
+    async def call_find(self, peer, keys):
+        """hivemind's ``call_find`` (whose dictionary check, :meth:`_validate_dictionary`, here keeps
+        the valid entries); a dictionary's expiry is then its latest valid entry's, not what the
+        answer claims."""
+        output = await super().call_find(peer, keys)
+        if not output:
+            return output
+        for key, (found, nearest) in list(output.items()):
+            if found is not None and isinstance(found.value, DictionaryDHTValue):
+                dictionary = found.value
+                if not dictionary.data:
+                    output[key] = None, nearest
+                    continue
+                latest = max(item.expiration_time for item in dictionary.data.values())
+                output[key] = ValueWithExpiration(dictionary, latest), nearest
+        return output
+
+    def _validate_dictionary(self, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
+        """Keep the entries that pass the validator (hivemind: all of them, or the answer is dropped).
+        Also dropped: expired entries, entries past ``MAX_ENTRIES_PER_KEY`` (no guarded node answers
+        more; the rest is not worth the signature checks), and values the reader could not decode
+        (hivemind's lookup would fail on them after the fact). Filters ``dictionary`` in place and
+        resets what its sender claimed about it (size limit, latest expiry); True if any entry is left."""
+        if not isinstance(dictionary, DictionaryDHTValue):
+            return False
+        now = get_dht_time()
+        kept = []
+        for n, (subkey, item) in enumerate(list(dictionary.data.items())):
+            if n >= MAX_ENTRIES_PER_KEY:
+                break
+            value, expiration_time = item.value, item.expiration_time
+            if not isinstance(value, bytes) or not isinstance(expiration_time, (int, float)) or expiration_time < now:
+                continue
+            try:
+                record = DHTRecord(key_bytes, self.serializer.dumps(subkey), value, expiration_time)
+                if self.record_validator is not None:
+                    if not self.record_validator.validate(record):
+                        continue
+                    self.serializer.loads(self.record_validator.strip_value(record))
+                else:
+                    self.serializer.loads(value)
+            except Exception:  # noqa: BLE001 - an entry the reader cannot use: dropped
+                continue
+            kept.append((subkey, value, expiration_time))
+        dictionary.clear()
+        dictionary.maxsize = float("inf")
+        dictionary.latest_expiration_time = float("-inf")
+        with dictionary.freeze():
+            for subkey, value, expiration_time in kept:
+                dictionary.store(subkey, value, expiration_time)
+        return bool(kept)
+
+
+# ----------------------------------------------------------------------------- installing
+
+
+_GUARDED = contextvars.ContextVar("swarm_node_guarded_dht", default=False)
+_HIVEMIND_PROTOCOL = DHTProtocol
+_guard_process = False
+
+
+class _ProtocolOfContext(DHTProtocol):
+    """Stands for ``DHTProtocol`` in ``hivemind.dht.node``, whose ``DHTNode.create`` makes its
+    protocol from that module-level name (hivemind 1.1.12 has no argument for it): inside
+    :meth:`GuardedDHTNode.create`, or in a process :func:`guard_this_process` was called in, it
+    makes a :class:`GuardedDHTProtocol`; anywhere else hivemind's own."""
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> DHTProtocol:
+        impl = GuardedDHTProtocol if (_guard_process or _GUARDED.get()) else _HIVEMIND_PROTOCOL
+        return await impl.create(*args, **kwargs)
+
+
+def missing_hivemind_name() -> Optional[str]:
+    """The first private part of hivemind (1.1.12) the guard relies on that the installed hivemind
+    lacks, or None."""
+    needs = {
+        "hivemind.dht.node.DHTProtocol": getattr(hivemind_node, "DHTProtocol", None) in (
+            _HIVEMIND_PROTOCOL, _ProtocolOfContext),
+        "DHTProtocol._validate_dictionary": callable(getattr(DHTProtocol, "_validate_dictionary", None)),
+        "DHTProtocol._get_handle_name": callable(getattr(DHTProtocol, "_get_handle_name", None)),
+        "TimedStorage.key_to_heap": "key_to_heap" in vars(TimedStorage()),
+    }
+    return next((name for name, found in needs.items() if not found), None)
+
+
+def install() -> None:
+    """Let ``DHTNode.create`` make guarded protocols where asked (idempotent). Raises ``RuntimeError``
+    when hivemind no longer makes its protocol from ``hivemind.dht.node.DHTProtocol``."""
+    current = getattr(hivemind_node, "DHTProtocol", None)
+    if current is _ProtocolOfContext:
+        return
+    if current is not _HIVEMIND_PROTOCOL:
+        raise RuntimeError("hivemind.dht.node.DHTProtocol is not hivemind's DHTProtocol: the DHT guard "
+                           "(node/net/dht_guard.py, written against hivemind 1.1.12) cannot install itself")
+    hivemind_node.DHTProtocol = _ProtocolOfContext
+
+
+def guard_this_process() -> None:
+    """Every DHT node created in this process from now on is guarded (``SwarmDHT``'s child)."""
+    global _guard_process
+    install()
+    _guard_process = True
+
+
+class GuardedDHTNode(DHTNode):
+    """hivemind's ``DHTNode`` with a :class:`GuardedDHTProtocol` (same arguments as
+    ``DHTNode.create``); for nodes made in a process that also makes plain ones."""
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> GuardedDHTNode:
+        install()
+        token = _GUARDED.set(True)
+        try:
+            return await super().create(*args, **kwargs)
+        finally:
+            _GUARDED.reset(token)
