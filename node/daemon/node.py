@@ -61,7 +61,8 @@ class Node:
         """What this node holds and how it is doing now (the announcer reads it every period)."""
         rt = self.runtime
         return Holding(self.index, rt.state, throughput=rt.tokens_per_s(), capacity=rt.capacity_tokens_per_s(),
-                       queue=rt.worker.depth("fwd"), version=rt.version)
+                       queue=rt.worker.depth("fwd"), version=rt.version,
+                       epoch=rt.morph.epoch if rt.morph.enabled else None)
 
     def setup(self) -> None:
         """What must happen on the main thread before the event loop (hivemind's averager forks)."""
@@ -164,7 +165,7 @@ class Node:
                 await self.announcer.refresh_peers()
                 continue
             how = (f"verified against {len(got.distances) - 1 - len(got.refused)} other replica(s)" if got.verified
-                   else "unverified: one replica to compare with" if self.cfg.verify_state else "unverified")
+                   else "UNCONFIRMED: one replica, checked against its signed record only")
             log.info("stage %d state ready in %.2f s (%s)", self.index, time.monotonic() - t0, how)
             announce_line(f"downloaded stage {self.index} state at version {got.version} from {got.source} ({how})")
             for peer in got.refused:

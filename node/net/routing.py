@@ -80,6 +80,7 @@ class PeerState:
     capacity: float | None = None  # announced tokens per busy second; 0: not measured yet; None: no field
     queue: int = 0
     version: int = 0
+    epoch: int | None = None  # its announced morph epoch (None: not announced)
     maddrs: list[str] = field(default_factory=list)
     outstanding: int = 0  # our microbatches at this peer, gradient not back yet
     rtt_ema: float | None = None  # seconds for an ack
@@ -125,6 +126,8 @@ class Router:
             cap = getattr(r, "capacity", None)
             p.capacity = None if cap is None else float(cap)
             p.queue, p.version, p.maddrs, p.in_dht = int(r.queue), int(r.version), list(r.maddrs), True
+            epoch = getattr(r, "epoch", None)
+            p.epoch = None if epoch is None else int(epoch)
             p.announced = float(getattr(r, "time", 0.0))
             if p.ban_cause == "unreachable" and p.announced > p.ban_announced and p.banned_until > self.clock():
                 # it re-announced itself after we found it unreachable (restarted, or the network

@@ -40,11 +40,16 @@ DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 
 class StateSyncError(Exception):
     """No online replica could give us the stage's state. ``busy``: every replica asked answered
-    ``busy`` (e.g. a morphing swarm makes a new peer wait two epochs): wait, this is no failure."""
+    ``busy`` (e.g. a morphing swarm makes a new peer wait two epochs): wait, this is no failure.
+    ``untrusted``: states were downloaded but none could be trusted (``state_verify``); ``refused``:
+    the sources whose state or claims were refused on the way, for the caller to ban and count."""
 
-    def __init__(self, message: str, busy: bool = False):
+    def __init__(self, message: str, busy: bool = False, *, untrusted: bool = False,
+                 refused: list[str] | None = None):
         super().__init__(message)
         self.busy = busy
+        self.untrusted = untrusted
+        self.refused = list(refused or [])
 
 
 MORPH_BUFFERS = ("morph_in", "morph_out")  # a morphing stage's basis maps (stages/morph.py): state like weights

@@ -125,6 +125,9 @@ class NodeMetrics:
                                      "Unix time of the newest checkpoint written", registry=r)
         self.state_sync_bytes = Counter("swarm_node_state_sync_bytes", "Stage state bytes sent/received by joiners",
                                         ["direction"], registry=r)
+        self.state_syncs = Counter("swarm_node_state_sync", "State downloads by outcome: verified (agreeing "
+                                   "sources), unconfirmed (one source, checked against its signed record), refused",
+                                   ["outcome"], registry=r)
         # per-peer series only on request (--peer-labels): their number grows with the swarm
         self.peer_requests = (Counter("swarm_node_peer_requests", "Outgoing requests per peer, protocol and result",
                                       ["peer", "protocol", "result"], registry=r) if peer_labels else None)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from node.net import StateSyncError, Verified, fetch_from_replicas, fetch_verified, serve_state
+from node.net import StateSyncError, Verified, fetch_verified, serve_state
 from node.runtime.guard import Guard
 from node.runtime.liveness import Liveness
 from node.runtime.morph import MorphEpochs, morph_every
@@ -97,6 +97,8 @@ class StageRuntime:
         self.state = "starting"
         self.started_at = time.monotonic()
         self.status_cache: dict = {}  # read by the metrics server's thread (/status)
+        self.state_syncs: dict[str, int] = {}  # state sync outcome -> count (``sync_from_replicas``)
+        self.last_state_sync: dict | None = None
         self.worker = ComputeWorker(name=f"compute-stage{index}")
         self.tasks = Tasks()
         self.trainer = Trainer(
@@ -248,24 +250,34 @@ class StageRuntime:
 
     async def sync_from_replicas(self) -> Verified:
         """Download this stage's current weights from the other online replicas and adopt them
-        (between two compute jobs) with the source's optimizer version. With ``verify_state`` the
-        weights are taken only when a majority of up to three replicas agree on them (parameter distance)
-        (``node.net.state_verify``), and a replica whose weights disagree is banned. Optimizer
-        moments are kept (local statistics, rebuilt within a few steps). Raises ``StateSyncError``
-        when no replica gave them or the replicas' weights cannot be trusted by agreement."""
-        peers = [p.peer_id for p in self.router.stage_peers(self.index)]
+        (between two compute jobs) with the version and morph epoch the sources agree on
+        (``node.net.state_verify``): each source's claims are checked against its own signed
+        record and the run's, and with ``verify_state`` the weights are taken only when a majority
+        of up to three replicas agree on them (parameter distance); a replica whose claims or
+        weights are refused is banned (``poisoned-state``). A lone source's state is taken as
+        ``unconfirmed``, with a warning. Each outcome (verified, unconfirmed, refused) is counted
+        and the last one shown in ``status()``. Optimizer moments are kept (local statistics,
+        rebuilt within a few steps). Raises ``StateSyncError`` when no replica gave them or the
+        replicas' state cannot be trusted."""
+        stage_peers = self.router.stage_peers(self.index)
+        peers = [p.peer_id for p in stage_peers]
+        records = {p.peer_id: p for p in stage_peers}  # their signed announcements, as the router read them
+        run_epochs = [int(e) for p in list(self.router.peers.values())
+                      if p.in_dht and p.state == "online" and (e := getattr(p, "epoch", None)) is not None]
         timeout = max(30.0, self.options.request_timeout)
-        if self.options.verify_state:
+        try:
             got = await fetch_verified(self.transport, peers, self.run_id, self.mhash, self.index, self.stage,
-                                       self.metrics, timeout=timeout)
-        else:
-            version, tensors, src, epoch = await fetch_from_replicas(self.transport, peers, self.run_id, self.mhash,
-                                                                     self.index, self.stage, self.metrics,
-                                                                     timeout=timeout)
-            got = Verified(version, tensors, src, verified=False, epoch=epoch)
-        for peer in got.refused:
-            self.router.ban(peer, self.options.state_ban_seconds, "poisoned-state")
-            self.metrics.bans.labels(cause="poisoned-state").inc()
+                                       self.metrics, timeout=timeout, records=records, run_epochs=run_epochs,
+                                       morphing=self.morph.enabled,
+                                       max_sources=3 if self.options.verify_state else 1)
+        except StateSyncError as e:
+            self._ban_poisoned_state(e.refused)
+            if e.untrusted:
+                self._note_state_sync("refused", refused=len(e.refused), reason=str(e)[:200])
+            raise
+        self._ban_poisoned_state(got.refused)
+        self._note_state_sync(got.outcome, source=got.source, version=got.version, epoch=got.epoch,
+                              agreed=len(got.agreed), refused=len(got.refused))
         before = self.morph.epoch
         await self.worker.submit("ctl", self.trainer.adopt_state, got.version, got.tensors, got.epoch)
         if self.morph.enabled:
@@ -274,6 +286,20 @@ class StageRuntime:
                 # what was in flight here is in the old basis
                 self.pipeline.drop_all("morph-epoch", Reason.WRONG_EPOCH)
         return got
+
+    def _ban_poisoned_state(self, peers: list[str]) -> None:
+        for peer in peers:
+            self.router.ban(peer, self.options.state_ban_seconds, "poisoned-state")
+            self.metrics.bans.labels(cause="poisoned-state").inc()
+
+    def _note_state_sync(self, outcome: str, **detail) -> None:
+        """Count one state sync's outcome (``verified``, ``unconfirmed``, ``refused``) and keep the
+        last one for ``status()``."""
+        self.state_syncs[outcome] = self.state_syncs.get(outcome, 0) + 1
+        self.last_state_sync = {"outcome": outcome, **detail}
+        counter = getattr(self.metrics, "state_syncs", None)  # swarm_node_state_sync_total, where declared
+        if counter is not None:
+            counter.labels(outcome=outcome).inc()
 
     async def resync_from_replica(self) -> bool:
         """Catch this replica's weights up with the others' (``sync_from_replicas``) after a ban, or
@@ -313,6 +339,8 @@ class StageRuntime:
             "loss": self.trainer.last_loss, "tokens_per_s": round(self.tokens_per_s(), 2),
             "banned": len(self.router.banned()),
         }
+        if self.last_state_sync is not None:
+            out["state_sync"] = {**self.last_state_sync, "counts": dict(self.state_syncs)}
         if self.trainer.pipeline_horizon:
             out["lookahead_horizon"] = round(self.trainer.lookahead.extrapolation, 2)
         if self.morph.enabled:
