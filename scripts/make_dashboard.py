@@ -211,6 +211,16 @@ def rows() -> list[tuple[str, list]]:
             timeseries_panel("Banned peers", "short", q("swarm_node_banned_peers", "{{instance}}")),
             timeseries_panel("Bans by cause", "short",
                              q("sum by (cause) (increase(swarm_node_bans_total[5m]))", "{{cause}}")),
+            timeseries_panel("State downloads by outcome", "short",
+                             q("sum by (outcome) (increase(swarm_node_state_sync_total[5m]))", "{{outcome}}"),
+                             description="unconfirmed: a joiner took the state of the only replica online, checked "
+                                         "against its signed record only; refused: a source whose claims or weights "
+                                         "disagreed with the others (banned)."),
+            timeseries_panel("Averaging: kept out", "short",
+                             q("sum by (what) (increase(swarm_node_averaging_judged_total[5m]))", "{{what}}"),
+                             description="Contributions dropped as outside the group's spread, ranges refused "
+                                         "as returned too far from a receiver's own, and peers without the "
+                                         "stage's record refused a group."),
             timeseries_panel("Forged DHT records refused", "short",
                              q("sum by (kind, check) (increase(swarm_node_forged_records_total[5m]))",
                                "{{kind}} {{check}}"),

@@ -178,8 +178,10 @@ def outcomes(tmp_path_factory):
         in_ns = {"readme_join": readme, "readme_join_no_identity": no_identity}
         if ns is not None:
             in_ns.update({
-                "no_route": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),
-                                    "--initial-peers", f"/ip4/192.0.2.1/tcp/31337/p2p/{boot_id}", *quick],
+                # a signed run: --allow-unsigned dials loopback peers only
+                "no_route": ["run", "--local", "--manifest", str(signed_path), "--stage", "0", "--torch-threads", "1",
+                             "--metrics-port", "-1", "--identity", str(home / "identity.key"),
+                             "--initial-peers", f"/ip4/192.0.2.1/tcp/31337/p2p/{boot_id}", *quick],
                 # nothing ever answers there: each attempt waits out its whole --bootstrap-timeout
                 # (this case ends last), so the 3 s of "unreachable"; the line does not depend on it
                 "no_answer": base + ["--metrics-port", "-1", "--identity", str(home / "identity.key"),

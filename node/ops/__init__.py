@@ -16,6 +16,7 @@ _EXPORTS = {
     "fast_exit": "node.ops.startup",
     "load_manifest_arg": "node.ops.startup",
     "run_and_exit": "node.ops.startup",
+    "sign_manifest": "node.ops.manifest_cmd",
     "uvloop_runner": "node.ops.startup",
     "LocalSwarm": "node.ops.local_swarm",
     "AVERAGING_OUTCOMES": "node.ops.metrics",

@@ -101,7 +101,7 @@ _HELP = {
     "attack": "TESTING ONLY: corrupt what this node sends with the named attack, NAME or NAME:key=value,... "
               "(needs --allow-attacks)",
     "allow_attacks": "TESTING ONLY: permit --attack",
-    "verify_state": "download a joining replica's weights from up to 3 replicas and take them only when a majority agrees (parameter distance and norm ratio) (--no-verify-state: the first replica's, unchecked)",
+    "verify_state": "download a joining replica's weights from up to 3 replicas and take them only when a majority agrees (parameter distance and norm ratio) (--no-verify-state: the first replica whose version and epoch agree with the signed records, weights unchecked)",
     "allow_unsigned": "LOCAL SWARMS ONLY: accept an unsigned manifest (refused unless every listen, announce and "
                       "initial-peer address is loopback)",
     "organiser": "pin the run's organiser: the fingerprint of its key (16 hex digits, as `swarm-node manifest "

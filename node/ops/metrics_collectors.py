@@ -91,6 +91,9 @@ class _ComputeBusy:
 AVERAGING_ROUNDS = ("started", "applied", "failed", "mismatched", "epoch_discarded", "state_replaced")
 AVERAGING_SKIPS = ("skipped_alone", "skipped_busy")
 AVERAGING_OUTCOMES = AVERAGING_ROUNDS + AVERAGING_SKIPS
+# the ``what`` labels of swarm_node_averaging_judged_total (AveragingStats.<what>): what the
+# averaging guard kept out (stages.robust_avg; docs/ASYNCMESH.md, "Who may average, and what is applied")
+AVERAGING_JUDGED = ("contributions_dropped", "parts_refused", "strangers_refused", "groups_refused")
 
 
 class _Averaging:
@@ -120,6 +123,11 @@ class _Averaging:
         for o in self.SKIPS:
             rounds.add_metric([o], float(st.get(o, 0)))
         yield rounds
+        judged = CounterMetricFamily("swarm_node_averaging_judged", "What replica averaging kept out, by kind",
+                                     labels=["what"])
+        for w in AVERAGING_JUDGED:
+            judged.add_metric([w], float(st.get(w, 0)))
+        yield judged
         b = CounterMetricFamily("swarm_node_averaging_bytes", "Replica averaging payload bytes", labels=["direction"])
         b.add_metric(["out"], float(st.get("bytes_sent", 0)))
         b.add_metric(["in"], float(st.get("bytes_received", 0)))
