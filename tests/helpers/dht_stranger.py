@@ -115,18 +115,83 @@ async def _answers(dht, node, key: str):
     return out
 
 
+def round_items(spec: dict) -> Round:
+    """One round's records, built from ``spec`` (small: keys, peer ids, key files, replays) in the
+    process that sends them (hivemind's pipe to the DHT process does not carry megabytes)."""
+    now = get_dht_time()
+    key_peers, key_manifest = spec["key_peers"], spec["key_manifest"]
+    own = [PeerKey(b) for b in spec["own"]]
+    items: list[tuple[str, object, bytes, float, bool]] = []
+    kinds = {k: 0 for k in KINDS}
+
+    def add(kind, key, subkey, value, expiration, in_cache=False):
+        items.append((key, subkey, value, expiration, in_cache))
+        kinds[kind] += 1
+
+    def signed_own(key: PeerKey, expiration: float, **fields) -> tuple[object, bytes]:
+        subkey = peer_subkey(key.peer_id)
+        value = MSGPackSerializer.dumps({"peer_id": key.peer_id, "stage": 1, "state": "online", "throughput": 0.0,
+                                         "capacity": 1.0, "queue": 0, "version": 0, "protocol": 1, "maddrs": [],
+                                         "time": time.time(), **fields})
+        record = DHTRecord(DHTID.generate(source=key_peers).to_bytes(), MSGPackSerializer.dumps(subkey), value,
+                           expiration)
+        return subkey, SwarmRecordValidator(key).sign_value(record)
+
+    # forge: honest peers' subkeys, signed with the stranger's key; a plain value
+    _, wrapped = signed_own(own[0], now + 200, state="draining", capacity=1e9)
+    for victim in spec["victims"]:
+        add("forge", key_peers, peer_subkey(victim), wrapped, now + 240)
+    add("forge", key_peers, None, MSGPackSerializer.dumps({"x": 1}), now + 240)
+    # flood: subkeys nobody validates, far-future expiry
+    for i in range(spec["flood"]):
+        junk = os.urandom(1024)
+        sub = (f"junk:{os.urandom(8).hex()}" if i % 3 == 0 else os.urandom(16) if i % 3 == 1
+               else b"\x13\x40" + os.urandom(64))  # the last: a well-formed sha2-512 multihash
+        add("flood", key_peers, sub, MSGPackSerializer.dumps({"junk": junk}), now + SEVENTY_YEARS)
+    # cache: a valid record of its own, into the cache, expiring later than honest ones
+    sub, val = signed_own(own[1], now + MAX_RECORD_TTL_S - 1.0)
+    add("cache", key_peers, sub, val, now + MAX_RECORD_TTL_S - 1.0, True)
+    # expiry: valid records at the writer's cap less 0.1 s
+    for key in own[2:]:
+        sub, val = signed_own(key, now + MAX_RECORD_TTL_S - 0.1)
+        add("expiry", key_peers, sub, val, now + MAX_RECORD_TTL_S - 0.1)
+    # replay: honest records as read at the start, with their (older) expiry
+    for sub, val, exp in spec["replays"]:
+        if exp > now:
+            add("replay", key_peers, sub, val, exp)
+    # manifest: another run of the same organiser under this run's key
+    if spec["other"] is not None:
+        subkey, published = spec["other"]
+        add("manifest", key_manifest, subkey, MSGPackSerializer.dumps(published), now + MAX_RECORD_TTL_S - 0.1)
+    # rsa: keys whose checking costs
+    for i in range(spec["rsa"]):
+        pub = huge_exponent_rsa_public_key(i)
+        pid = peer_id_of_public_key(pub)
+        value = MSGPackSerializer.dumps({"peer_id": pid, "stage": 1, "state": "online"})
+        add("rsa", key_peers, peer_subkey(pid), _wrap(value, pub, os.urandom(384)), now + 200)
+    return Round(items, kinds)
+
+
 class Stranger:
     """The stranger's DHT node, next to the run's ``peers`` key, and its attack loop."""
 
     def __init__(self, initial_peers: list[str], manifest, other_run_manifest=None, *, flood: int = 300,
-                 batch: int = 100, pause: float = 0.2):
+                 batch: int = 100, pause: float = 0.2, rsa: int = 20):
         ns = run_namespace(manifest)
         self.key_peers, self.key_manifest = f"{ns}/peers", f"{ns}/manifest"
         target = DHTID.generate(source=self.key_peers)
         self.dht = hivemind.DHT(initial_peers=initial_peers, start=True, node_id=DHTID(target ^ 1), **LOOPBACK)
-        self.own = [PeerKey(new_ed25519_key()) for _ in range(4)]
-        self.manifest, self.other = manifest, other_run_manifest
-        self.flood, self.batch, self.pause = flood, batch, pause
+        self.own = [new_ed25519_key() for _ in range(4)]
+        other = None
+        if other_run_manifest is not None:
+            from stages import consensus_dict, manifest_hash
+
+            m = other_run_manifest
+            other = (manifest_subkey(m.run.organiser),
+                     {"hash": manifest_hash(m), "manifest": consensus_dict(m), "protocol": 1,
+                      "organiser": m.run.organiser, "signature": m.signature.ed25519})
+        self.other = other
+        self.flood, self.batch, self.pause, self.rsa = flood, batch, pause, rsa
         self.victims: list[str] = []
         self.replays: list[tuple[object, bytes, float]] = []
         self.rounds = 0
@@ -135,70 +200,17 @@ class Stranger:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="stranger")
 
-    # ---- what a round sends
-
-    def _signed_own(self, key: PeerKey, expiration: float, **fields) -> tuple[object, bytes]:
-        subkey = peer_subkey(key.peer_id)
-        value = MSGPackSerializer.dumps({"peer_id": key.peer_id, "stage": 1, "state": "online", "throughput": 0.0,
-                                         "capacity": 1.0, "queue": 0, "version": 0, "protocol": 1, "maddrs": [],
-                                         "time": time.time(), **fields})
-        record = DHTRecord(DHTID.generate(source=self.key_peers).to_bytes(), MSGPackSerializer.dumps(subkey), value,
-                           expiration)
-        return subkey, SwarmRecordValidator(key).sign_value(record)
-
-    def round_items(self) -> Round:
-        now = get_dht_time()
-        items: list[tuple[str, object, bytes, float, bool]] = []
-        kinds = {k: 0 for k in KINDS}
-
-        def add(kind, key, subkey, value, expiration, in_cache=False):
-            items.append((key, subkey, value, expiration, in_cache))
-            kinds[kind] += 1
-
-        # forge: honest peers' subkeys, signed with the stranger's key; a plain value
-        _, wrapped = self._signed_own(self.own[0], now + 200, state="draining", capacity=1e9)
-        for victim in self.victims:
-            add("forge", self.key_peers, peer_subkey(victim), wrapped, now + 240)
-        add("forge", self.key_peers, None, MSGPackSerializer.dumps({"x": 1}), now + 240)
-        # flood: subkeys nobody validates, far-future expiry
-        for i in range(self.flood):
-            junk = os.urandom(1024)
-            sub = (f"junk:{os.urandom(8).hex()}" if i % 3 == 0 else os.urandom(16) if i % 3 == 1
-                   else b"\x13\x40" + os.urandom(64))  # the last: a well-formed sha2-512 multihash
-            add("flood", self.key_peers, sub, MSGPackSerializer.dumps({"junk": junk}), now + SEVENTY_YEARS)
-        # cache: a valid record of its own, into the cache, expiring later than honest ones
-        sub, val = self._signed_own(self.own[1], now + MAX_RECORD_TTL_S - 1.0)
-        add("cache", self.key_peers, sub, val, now + MAX_RECORD_TTL_S - 1.0, True)
-        # expiry: valid records at the writer's cap less 0.1 s
-        for key in self.own[2:]:
-            sub, val = self._signed_own(key, now + MAX_RECORD_TTL_S - 0.1)
-            add("expiry", self.key_peers, sub, val, now + MAX_RECORD_TTL_S - 0.1)
-        # replay: honest records as read at the start, with their (older) expiry
-        for sub, val, exp in self.replays:
-            if exp > now:
-                add("replay", self.key_peers, sub, val, exp)
-        # manifest: another run of the same organiser under this run's key
-        if self.other is not None:
-            from stages import consensus_dict, manifest_hash
-
-            published = {"hash": manifest_hash(self.other), "manifest": consensus_dict(self.other), "protocol": 1,
-                         "organiser": self.other.run.organiser, "signature": self.other.signature.ed25519}
-            add("manifest", self.key_manifest, manifest_subkey(self.other.run.organiser),
-                MSGPackSerializer.dumps(published), now + MAX_RECORD_TTL_S - 0.1)
-        # rsa: keys whose checking costs
-        for i in range(20):
-            pub = huge_exponent_rsa_public_key(i)
-            pid = peer_id_of_public_key(pub)
-            value = MSGPackSerializer.dumps({"peer_id": pid, "stage": 1, "state": "online"})
-            add("rsa", self.key_peers, peer_subkey(pid), _wrap(value, pub, os.urandom(384)), now + 200)
-        return Round(items, kinds)
+    def spec(self) -> dict:
+        return {"key_peers": self.key_peers, "key_manifest": self.key_manifest, "own": self.own,
+                "victims": list(self.victims), "replays": list(self.replays), "other": self.other,
+                "flood": self.flood, "rsa": self.rsa}
 
     # ---- running it
 
     def capture_replays(self) -> int:
         """Read the honest records now (raw, from the nodes' answers) to replay them later."""
         seen: dict[object, tuple[bytes, float]] = {}
-        for _, _, entries in self.answers().values():
+        for _, _, entries in self.answers(full=True).values():
             if isinstance(entries, dict):
                 for sub, (val, exp) in entries.items():
                     if isinstance(sub, str) and sub.startswith("peer:") and sub[5:] in self.victims:
@@ -208,16 +220,17 @@ class Stranger:
         return len(self.replays)
 
     def attack_once(self) -> None:
-        r = self.round_items()
-        _, stored, refused = self.dht.run_coroutine(_send_partial(r.items, self.batch))
+        kinds, stored, refused = self.dht.run_coroutine(_send_partial(self.spec(), self.batch))
         self.stored += stored
         self.refused += refused
-        for k, n in r.kinds.items():
+        for k, n in kinds.items():
             self.sent[k] += n
         self.rounds += 1
 
-    def answers(self, key: str | None = None) -> dict:
-        return self.dht.run_coroutine(_answers_partial(key or self.key_peers))
+    def answers(self, key: str | None = None, full: bool = False) -> dict:
+        """Each DHT node's raw answer for ``key``: peer -> (entries, bytes, entries themselves with
+        ``full``, else a short note)."""
+        return self.dht.run_coroutine(_answers_partial(key or self.key_peers, full))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -240,18 +253,24 @@ class Stranger:
 
 
 class _send_partial:
-    """A picklable ``run_coroutine`` callable (sent to the stranger's DHT process)."""
+    """A picklable ``run_coroutine`` callable (sent to the stranger's DHT process): builds a
+    round's records there and sends them; returns (records by kind, stored, refused)."""
 
-    def __init__(self, items, batch):
-        self.items, self.batch = items, batch
+    def __init__(self, spec, batch):
+        self.spec, self.batch = spec, batch
 
     async def __call__(self, dht, node):
-        return await _send(dht, node, self.items, self.batch)
+        r = round_items(self.spec)
+        _, stored, refused = await _send(dht, node, r.items, self.batch)
+        return r.kinds, stored, refused
 
 
 class _answers_partial:
-    def __init__(self, key):
-        self.key = key
+    def __init__(self, key, full):
+        self.key, self.full = key, full
 
     async def __call__(self, dht, node):
-        return await _answers(dht, node, self.key)
+        out = await _answers(dht, node, self.key)
+        if self.full:
+            return out
+        return {p: (n, b, e if isinstance(e, str) else "") for p, (n, b, e) in out.items()}
