@@ -217,7 +217,7 @@ def rows() -> list[tuple[str, list]]:
                                          "against its signed record only; refused: a source whose claims or weights "
                                          "disagreed with the others (banned)."),
             timeseries_panel("Averaging: kept out", "short",
-                             q("sum by (what) (increase(swarm_node_averaging_judged_total[5m]))", "{{what}}"),
+                             q("sum by (kind) (increase(swarm_node_averaging_judged_total[5m]))", "{{kind}}"),
                              description="Contributions dropped as outside the group's spread, ranges refused "
                                          "as returned too far from a receiver's own, and peers without the "
                                          "stage's record refused a group."),

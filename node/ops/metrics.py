@@ -128,6 +128,8 @@ class NodeMetrics:
         self.state_syncs = Counter("swarm_node_state_sync", "State downloads by outcome: verified (agreeing "
                                    "sources), unconfirmed (one source, checked against its signed record), refused",
                                    ["outcome"], registry=r)
+        for outcome in ("verified", "unconfirmed", "refused"):  # exported at 0 before the first download
+            self.state_syncs.labels(outcome=outcome)
         # per-peer series only on request (--peer-labels): their number grows with the swarm
         self.peer_requests = (Counter("swarm_node_peer_requests", "Outgoing requests per peer, protocol and result",
                                       ["peer", "protocol", "result"], registry=r) if peer_labels else None)

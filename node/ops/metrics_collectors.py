@@ -91,7 +91,7 @@ class _ComputeBusy:
 AVERAGING_ROUNDS = ("started", "applied", "failed", "mismatched", "epoch_discarded", "state_replaced")
 AVERAGING_SKIPS = ("skipped_alone", "skipped_busy")
 AVERAGING_OUTCOMES = AVERAGING_ROUNDS + AVERAGING_SKIPS
-# the ``what`` labels of swarm_node_averaging_judged_total (AveragingStats.<what>): what the
+# the ``kind`` labels of swarm_node_averaging_judged_total (AveragingStats.<what>): what the
 # averaging guard kept out (stages.robust_avg; docs/ASYNCMESH.md, "Who may average, and what is applied")
 AVERAGING_JUDGED = ("contributions_dropped", "parts_refused", "strangers_refused", "groups_refused")
 
@@ -124,7 +124,7 @@ class _Averaging:
             rounds.add_metric([o], float(st.get(o, 0)))
         yield rounds
         judged = CounterMetricFamily("swarm_node_averaging_judged", "What replica averaging kept out, by kind",
-                                     labels=["what"])
+                                     labels=["kind"])
         for w in AVERAGING_JUDGED:
             judged.add_metric([w], float(st.get(w, 0)))
         yield judged
