@@ -17,6 +17,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 import node.net.records as records
+import node.net.run_keys as run_keys
 from node.net import Membership, PeerRecord, start_dht, stop_dht
 from node.net.identity import write_identity
 from node.net.membership import run_namespace
@@ -224,6 +225,7 @@ def test_a_reader_refuses_only_beyond_the_cap_and_the_allowance(monkeypatch):
     now = 1_000_000.0
     me = PeerKey(new_ed25519_key())
     monkeypatch.setattr(records, "get_dht_time", lambda: now)
+    monkeypatch.setattr(run_keys, "get_dht_time", lambda: now)  # a writer's clock (writer_expiration)
     v = SwarmRecordValidator()
     assert v.validate(_announcement(me, expiration=now + MAX_RECORD_TTL_S + MAX_CLOCK_SKEW_S - 0.1))
     assert not v.validate(_announcement(me, expiration=now + MAX_RECORD_TTL_S + MAX_CLOCK_SKEW_S + 0.1))

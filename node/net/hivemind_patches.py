@@ -21,13 +21,14 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2P
 
 from node.base import children_of, set_parent_death_signal
 from node.net import dht_guard
+from node.net.averaging_judge import JudgingRunner
 
 WRITTEN_AGAINST = "1.1.12"  # the hivemind version every patch here was written and tested against
 
@@ -309,7 +310,7 @@ class SwarmAverager(DecentralizedAverager):
         (buffer,) = tensors
         chunk = chunk_elements(buffer.numel(), len(group_info.peer_ids))
         kwargs.update(weight=1.0, part_size_bytes=4 * chunk, compression=NoCompression())
-        runner = _JudgingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+        runner = JudgingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, chunk=chunk,
                                 layout=self._layout, **kwargs)
         if group_id not in self._running_groups:
@@ -333,97 +334,3 @@ for _name in ("_step", "_aggregate_with_group", "_run_allreduce_inplace_"):
 _require("reset_accumulators" in TensorPartReducer.__dict__ and "accumulator" in
          TensorPartReducer.check_current_part_finished.__code__.co_names,
          "TensorPartReducer.reset_accumulators / .accumulator", "SwarmAverager")
-
-
-class _Contributions:
-    """Stands in for ``TensorPartReducer``'s accumulator of one chunk: keeps each sender's part
-    (hivemind adds them with ``add_`` and divides by the total weight with ``div_``), and its
-    ``div_`` returns the judged mean instead."""
-
-    def __init__(self, reducer: _JudgingReducer, part_index: int):
-        self.reducer, self.part_index, self.parts = reducer, part_index, {}
-
-    def add_(self, tagged, alpha=1.0):
-        sender, part = tagged
-        self.parts[sender] = part
-        return self
-
-    def div_(self, _denominator):
-        return self.reducer.judge(self.part_index, self.parts)
-
-
-class _JudgingReducer(TensorPartReducer):
-    """hivemind's reducer of this member's range, each chunk judged by ``robust_mean``; a member
-    dropped on one chunk stays dropped for the rest of the range (``dropped``). A part of the
-    wrong shape fails its sender (hivemind then excludes it from the round)."""
-
-    def __init__(self, part_shapes, num_senders: int, *, own: int, segments):
-        self.own, self.segments, self.dropped = own, segments, set()
-        super().__init__(part_shapes, num_senders)
-
-    def reset_accumulators(self):
-        super().reset_accumulators()
-        if not self.finished.is_set():
-            self.accumulator = _Contributions(self, self.current_part_index)
-
-    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
-        shape = self.part_shapes[part_index] if 0 <= part_index < self.num_parts else None
-        if not isinstance(tensor_part, torch.Tensor) or shape is None or tensor_part.shape != shape:
-            raise AllreduceException(f"sender {sender_index} sent a part of the wrong shape")
-        # the sender's weight is ignored: every member counts once
-        return await super().accumulate_part(sender_index, part_index, (sender_index, tensor_part.float()), 1.0)
-
-    def judge(self, part_index: int, parts: dict):
-        from stages import robust_mean
-
-        if not parts:  # every sender failed before this chunk: nothing to average
-            return torch.zeros(self.part_shapes[part_index])
-        live = sorted(s for s in parts if s not in self.dropped)
-        if self.own in parts and self.own not in live:
-            live.append(self.own)
-        stacked = torch.stack([parts[s] for s in live])
-        own = live.index(self.own) if self.own in live else None
-        segments = self.segments[part_index] if self.segments is not None else None
-        try:
-            mean, kept = robust_mean(stacked, own=own, segments=segments)
-        except ValueError:  # no finite contribution at all: this chunk keeps everyone's own values
-            return parts[self.own].clone() if self.own in parts else torch.zeros_like(stacked[0])
-        self.dropped |= {s for s, k in zip(live, kept.tolist()) if not k}
-        return mean
-
-
-class _JudgingRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce with a ``_JudgingReducer`` for this member's range and a
-    check of the ranges the others return (``refused``)."""
-
-    def __init__(self, *, chunk: int, layout, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.layout = layout  # stages.AveragingLayout, or None: one segment
-        container = self.tensor_part_container
-        self.me = self.ordered_peer_ids.index(self.peer_id)
-        total = container.total_size
-        # peer i reduces chunks [first[i], first[i+1]) of the one flat tensor, each ``chunk`` long
-        first = [0]
-        for n in container.num_parts_by_peer:
-            first.append(first[-1] + n)
-        self.ranges = [(min(total, first[i] * chunk), min(total, first[i + 1] * chunk))
-                       for i in range(len(self.ordered_peer_ids))]
-        segments = None
-        if layout is not None:
-            segments = [layout.segment_ids((first[self.me] + j) * chunk, part.numel())
-                        for j, part in enumerate(self.parts_for_local_averaging)]
-        old = self.tensor_part_reducer
-        old.finished.set()  # never used: keeps it from logging "received 0%" when collected
-        self.tensor_part_reducer = _JudgingReducer(tuple(p.shape for p in self.parts_for_local_averaging),
-                                                   len(self.sender_peer_ids), own=self.me, segments=segments)
-
-    def refused(self, own: torch.Tensor, update: torch.Tensor) -> set[int]:
-        """The reducers whose range this member refuses; their part of ``update`` is zeroed."""
-        from stages import refused_reducers
-
-        flat_own, flat_update = own.reshape(-1), update.reshape(-1)
-        refused = refused_reducers(flat_own, flat_own + flat_update, self.ranges, self.me, layout=self.layout)
-        for k in refused:
-            lo, hi = self.ranges[k]
-            flat_update[lo:hi] = 0.0
-        return refused
