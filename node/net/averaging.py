@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import signal
 import threading
 import time
@@ -60,8 +59,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from node.net.averaging_judge import read_members
 from node.net.averaging_round import AveragingStats, Round, run_round
-from node.net.records import averaging_key_prefix
+from node.net.averaging_slots import SlotClock
+from node.net.run_keys import averaging_key_prefix
 from stages import (
     AveragingLayout, BlendedDelta, PartitionSchedule, StalenessCorrection, apply_average_delta, first_moments, snapshot,
 )
@@ -69,28 +70,14 @@ from stages import (
 log = logging.getLogger("swarm.averaging")
 
 
-def averaging_prefix(run_id: str, stage: int, organiser: str = "") -> str:
-    """The matchmaking key of a stage's replicas, in the run's namespace: the run id and the
-    fingerprint of its organiser key (none for an unsigned run), so runs of two organisers under
-    one id never meet; the formula is ``records.averaging_key_prefix``, which the record
-    validator uses to know the run's averaging keys."""
-    return averaging_key_prefix(run_id, stage, organiser)
+averaging_prefix = averaging_key_prefix  # a stage's matchmaking key prefix, in the run's namespace
 
 
 class ReplicaAverager:
     """Background sparse averaging of ``params`` with the other replicas of one stage.
 
-    Wiring in the stage runtime::
-
-        avg = ReplicaAverager(dht, [p for _, p in stage.named_parameters()], optimizer=optimizer,
-                              prefix=averaging_prefix(m.run.id, stage_index, m.run.organiser),
-                              fraction=m.asyncmesh.avg_fraction,
-                              every=m.asyncmesh.avg_every, seed=m.run.seed + stage_index,
-                              correction=m.asyncmesh.avg_correction, timeout=m.asyncmesh.avg_timeout_s,
-                              members_fn=lambda: {p.peer_id for p in router.stage_peers(stage_index)})
-        avg.start()                       # main thread, once
-        ...  after each optimizer step:   avg.maybe_average(local_step)
-        avg.close()
+    Wiring (``node.daemon.slot``): ``start()`` on the main thread once, ``maybe_average(local_step)``
+    after each optimizer step, ``close()`` at the end.
 
     ``maybe_average`` mutates ``params`` in place (when a round finished), so call it between
     optimizer steps, never during a backward. ``peers_fn`` (optional) returns how many replicas
@@ -175,12 +162,9 @@ class ReplicaAverager:
         # hivemind's matchmaking (min_matchmaking_time) and one request round trip
         self.period, self.clock = float(period), clock
         self.lead = min_matchmaking_time + 1.0
+        self.slots = SlotClock(self.period, self.lead, self._request_timeout, every)
         self._target: int | None = None  # the slot this replica will join (due, snapshot not yet taken)
-        self._last_call: float | None = None
-        self._call_seconds = 0.0  # EMA of the time between two maybe_average calls (one local step)
         self._no_group_streak = 0
-        self._last_slot = -1  # the last slot joined or passed over (the next one comes after it)
-        self._span = 1.0  # EMA: seconds from a slot's start until its round was applied here
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -249,10 +233,7 @@ class ReplicaAverager:
                 raise ValueError("maybe_average: parameter shapes differ from the ones averaging was set up for")
             self.params = params
         now = self.clock()
-        if self._last_call is not None:
-            dt = max(0.0, now - self._last_call)
-            self._call_seconds = dt if self._call_seconds == 0.0 else 0.7 * self._call_seconds + 0.3 * dt
-        self._last_call = now
+        self.slots.called(now)
         self._read_report()
         if self.blend.pending:
             if self.blend.epoch != self._epoch():  # re-based by a morph: the rest is for weights that are gone
@@ -274,15 +255,15 @@ class ReplicaAverager:
             self._target = self.next_slot(now)
         start = self._target * self.period
         # take the snapshot now if the next call (one local step away) could come too late
-        if now >= start - self.lead - self._call_seconds:
+        if now >= start - self.lead - self.slots.call_seconds:
             if self._round is not None:  # the last round still runs: this slot goes without us
                 self.stats.skipped_busy += 1
-                self._last_slot, self._target = self._target, None
+                self.slots.last, self._target = self._target, None
             elif start - now < self.lead - 0.5:  # a step took longer than usual: the slot is missed
-                self._last_slot, self._target = self._target, None
+                self.slots.last, self._target = self._target, None
             else:
                 number, self._target = self._target, None
-                self._last_slot = number
+                self.slots.last = number
                 self._begin(local_step, number)
         return applied
 
@@ -296,32 +277,12 @@ class ReplicaAverager:
         self._target, self._next_due = None, None
 
     def stride(self) -> int:
-        """The slots this replica joins are the multiples of this power of two: the one nearest
-        (in ratio) to the span of H of its local steps, so a replica averages about every H steps
-        (between 0.71 and 1.41 times as often), and never less than the smallest whose span holds
-        one whole round: ``lead``, one step, and the longer of the measured time from a slot's
-        start until its round is applied and the longest a round that finds no group is held
-        (``lead`` after the slot's start, plus the last matchmaking request), so it is never still
-        busy when its next slot comes. A replica that skipped every other multiple of its stride
-        would lock onto one phase of them (slots 2, 6, 10, ... at stride 2) and never meet a
-        replica on the other (0, 4, 8, ... at stride 4). Replicas of one speed join the same
-        slots, and a slower replica's slots are a subset of every faster one's: it always meets
-        them."""
-        hold = max(self._span, self.lead + self._request_timeout)
-        m = 1
-        while m * self.period < self.lead + self._call_seconds + hold and m < 1 << 12:
-            m *= 2
-        h = self.every * self._call_seconds / self.period  # H steps, in slots
-        while m * math.sqrt(2) < h and m < 1 << 12:
-            m *= 2
-        return m
+        """The power of two whose multiples are the slots this replica joins (``SlotClock.stride``)."""
+        return self.slots.stride()
 
     def next_slot(self, now: float) -> int:
-        """The first slot this replica can join: a multiple of ``stride()``, after the last slot it
-        joined or skipped, starting at least ``lead`` seconds after ``now``."""
-        m = self.stride()
-        k = max(int(-(-(now + self.lead) // self.period)), self._last_slot + 1)
-        return -(-k // m) * m
+        """The first slot this replica can join (``SlotClock.next_slot``)."""
+        return self.slots.next_slot(now)
 
     @property
     def pending_slot(self) -> int | None:
@@ -339,12 +300,8 @@ class ReplicaAverager:
             moment_snap = snapshot(moments, indices)
         rnd = Round(number, local_step, indices, snap, moment_snap, mask, time.monotonic(), self._epoch())
         if self.members_fn is not None:
-            rnd.members = self._members()
-        # matchmaking may retry until just before this replica's next slot (never less than
-        # ``lead`` after the start): a replica of the slot that was not found at its start (a
-        # loaded machine, a lost request) is still met, and the next slot is never missed for it
-        rnd.find_until = number * self.period + max(
-            self.lead, self.stride() * self.period - self.lead - 2 * self._call_seconds - 1.0)
+            rnd.members = read_members(self.members_fn)
+        rnd.find_until = self.slots.find_until(number)
         rnd.future = self._worker.submit(self._run_round, rnd)
         self._round = rnd
         self.stats.rounds_started += 1
@@ -403,23 +360,13 @@ class ReplicaAverager:
             log.warning("averaging round %d rejected: %s", rnd.number, e)
             return False
         self.stats.rounds_applied += 1
-        self._span = 0.5 * self._span + 0.5 * max(0.0, self.clock() - rnd.number * self.period)
+        self.slots.applied(rnd.number, self.clock())
         log.info("averaging round %d applied: group of %d, %d elements, delta norm %.4g, %d local steps after the snapshot",
                  rnd.number, g, n, norm, elapsed)
         self.stats.last_elapsed_steps, self.stats.last_delta_norm = elapsed, norm
         self.stats.last_round, self.stats.last_snapshot_step = rnd.number, rnd.start_step
         self.stats.last_moment_lambda = sum(lam_m) / max(1, len(lam_m))
         return True
-
-    def _members(self) -> frozenset[str]:
-        """``members_fn()``; nobody (the round finds no group) when it keeps failing."""
-        for _ in range(3):
-            try:
-                return frozenset(str(p) for p in self.members_fn())
-            except RuntimeError:  # the routing table changed while it was read: read it again
-                continue
-        log.warning("averaging: the stage's members could not be read; this round averages with nobody")
-        return frozenset()
 
     def _read_report(self) -> None:
         """The averager process's counts of judged contributions and refused strangers."""

@@ -7,11 +7,26 @@ override: its docstring and docs/ASYNCMESH.md ("Who may average, and what is app
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Callable, Iterable
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
+
+log = logging.getLogger("swarm.averaging")
+
+
+def read_members(members_fn: Callable[[], Iterable]) -> frozenset[str]:
+    """The peer ids ``members_fn()`` names (those that hold a live signed record for the stage);
+    nobody (the round then finds no group) when reading it keeps failing."""
+    for _ in range(3):
+        try:
+            return frozenset(str(p) for p in members_fn())
+        except RuntimeError:  # the routing table changed while it was read: read it again
+            continue
+    log.warning("averaging: the stage's members could not be read; this round averages with nobody")
+    return frozenset()
 
 
 class Contributions:
