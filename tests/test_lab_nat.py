@@ -1,6 +1,6 @@
 """A node behind NAT, in the network lab (tests/helpers/netlab.py): it joins by the bootstrap address,
 gets a relay address, holds the middle stage and serves forward and backward traffic; a peer that
-never talked to it reaches it through the relay; `swarm-node doctor` tells the NAT'd machine that it
+never talked to it reaches it through the relay. `swarm-node doctor` tells a NAT'd machine that it
 is reachable only through a relay, and a public one that it is reachable directly."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ DOCTOR = "import sys, json; from node.ops.doctor import check_nat; print(json.du
          "float(sys.argv[1])).__dict__))"
 
 
-def test_a_node_behind_nat_trains_in_a_swarm_and_doctor_says_relay(tmp_path):
+def test_doctor_tells_a_machine_behind_nat_it_is_relayed_and_a_public_one_it_is_reachable(tmp_path):
     from stages import load_manifest
     from tests.helpers.labswarm import LabSwarm
 
@@ -31,20 +31,31 @@ def test_a_node_behind_nat_trains_in_a_swarm_and_doctor_says_relay(tmp_path):
         peers = sw.start_bootstrap(lab.add_node("boot"))
         home = lab.add_node("home", Link(delay_ms=5), nat=True)
         public = lab.add_node("public", Link(delay_ms=5))
-        # the doctor's NAT check on both kinds of machine, while the swarm starts
         doctors = {name: lab.popen(where, [sys.executable, "-c", DOCTOR, "30", *peers], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
                    for name, where in (("home", home), ("public", public))}
-        mid = sw.start_node(1, home, name="nat-mid")
-        head = sw.start_node(0, lab.add_node("head", Link(delay_ms=5)), name="head")
-        tail = sw.start_node(2, lab.add_node("tail", Link(delay_ms=5)), name="tail")
-        sw.wait_ready(timeout=150)
-
         verdict = {name: json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1])
                    for name, p in doctors.items()}
         assert verdict["home"]["status"] == "warn" and "only through a relay" in verdict["home"]["detail"], verdict
         assert peers[0].split("/p2p/")[1] in verdict["home"]["detail"]  # the bootstrap relays
         assert verdict["public"]["status"] == "ok" and "reachable directly" in verdict["public"]["detail"], verdict
+        codes = sw.close()
+    assert all(c == 0 for c in codes.values()), codes
+
+
+def test_a_node_behind_nat_trains_in_a_swarm_through_its_relay_address(tmp_path):
+    from stages import load_manifest
+    from tests.helpers.labswarm import LabSwarm
+
+    m = load_manifest("test").replace(sentinel={"enabled": False})
+    with Lab() as lab, LabSwarm(lab, m, workdir=tmp_path / "swarm") as sw:
+        sw.start_bootstrap(lab.add_node("boot"))
+        home = lab.add_node("home", Link(delay_ms=5), nat=True)
+        public = lab.add_node("public", Link(delay_ms=5))
+        mid = sw.start_node(1, home, name="nat-mid")
+        head = sw.start_node(0, lab.add_node("head", Link(delay_ms=5)), name="head")
+        tail = sw.start_node(2, lab.add_node("tail", Link(delay_ms=5)), name="tail")
+        sw.wait_ready(timeout=150)
 
         # the NAT'd node learns its relay address and announces it
         deadline = time.monotonic() + 60
