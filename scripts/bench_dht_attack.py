@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         out["answers_during"] = summary(stranger.answers())
         out["bootstrap_rss_mib_after"] = round(rss_tree(sw.bootstrap.pid) / 2**20, 1)
         out["forged_counted"] = {n.name: {k: sw.value(n, "swarm_node_forged_records_total", kind=k)
-                                          for k in ("peer", "manifest", "averaging", "plain", "unknown")}
+                                          for k in ("peer", "manifest", "averaging", "plain", "unknown", "unread")}
                                  for n in (head, body, tail)}
         out["head_routes_to"] = {s: sw.value(head, "swarm_node_peers", stage=str(s)) for s in range(3)}
         out["alive"] = all(n.proc.poll() is None for n in (head, body, tail))

@@ -205,10 +205,58 @@ async def test_five_thousand_junk_entries_stay_bounded_and_honest_ones_readable(
                                              record_validator=SwarmRecordValidator(), **LOOPBACK)
         seen = await _read(reader)
         assert {peer_subkey(k.peer_id) for k in honest} <= set(seen)
-        # an honest peer refreshing its own entry still gets in
-        assert await _raw_store(stranger, storing.peer_id, [_signed(honest[0], get_dht_time() + 150)]) == [True]
+        # an honest peer refreshing its own entry still gets in (from its own node: the stranger's
+        # sender budget is spent)
+        assert await _raw_store(reader, storing.peer_id, [_signed(honest[0], get_dht_time() + 150)]) == [True]
     finally:
         await _shutdown(reader, stranger, storing)
+
+
+def test_a_sender_s_records_past_its_rate_are_refused_and_its_bucket_refills():
+    now = [0.0]
+    rates = dht_storage.SenderRates(rate=10.0, burst=100.0, max_senders=2, clock=lambda: now[0])
+    assert rates.available("a") == 100
+    rates.spend("a", 100)
+    assert rates.available("a") == 0 and rates.available("b") == 100  # one sender's flood is its own
+    now[0] = 2.5
+    assert rates.available("a") == 25
+    rates.spend("a", 25, refused=75)
+    assert rates.available("a") == 0 and rates.refused == 75
+    now[0] = 1000.0
+    assert rates.available("a") == 100  # never past the burst
+    rates.spend("b", 1)
+    rates.spend("c", 1)  # a third sender: the least recent ("a") is forgotten
+    assert "a" not in rates._buckets and set(rates._buckets) == {"b", "c"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_a_flooding_sender_gets_its_rate_checked_and_the_rest_refused_unread_while_others_store():
+    """One sender floods a node with store requests: past its burst, its records are refused without
+    a check each (and counted as ``unread``), while another sender's record still goes in."""
+    from node.net.records import ForgeryCounter
+
+    validator = CountingValidator(counter=ForgeryCounter())
+    storing = stranger = other = None
+    try:
+        storing = await GuardedDHTNode.create(record_validator=validator, **LOOPBACK)
+        initial = await _maddrs(storing)
+        stranger = await _stranger(initial)
+        junk = [(f"junk:{i}", MSGPackSerializer.dumps({"x": i}), get_dht_time() + 100) for i in range(2000)]
+        started = time.monotonic()
+        for i in range(0, len(junk), 200):
+            assert not any(await _raw_store(stranger, storing.peer_id, junk[i:i + 200]))
+        took = time.monotonic() - started
+        allowed = dht_storage.RECORDS_BURST + dht_storage.RECORDS_PER_S * took
+        print(f"\n2000 junk records in {took:.2f} s: {validator.judged} checked, "
+              f"{validator.counter.snapshot()['unread']} refused unread")
+        assert validator.judged <= allowed, (validator.judged, allowed)
+        assert validator.counter.snapshot()["unread"] >= len(junk) - allowed
+        other = await DHTNode.create(initial_peers=initial, **LOOPBACK)
+        key = _keys(1)[0]
+        assert await _raw_store(other, storing.peer_id, [_signed(key, get_dht_time() + 60)]) == [True]
+    finally:
+        await _shutdown(other, stranger, storing)
 
 
 @pytest.mark.timeout(120)

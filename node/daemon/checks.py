@@ -237,7 +237,7 @@ def start_up(cfg: node_config.NodeConfig) -> Iterator[StartUp]:
         maddrs = visible_maddrs(dht)
         membership = Membership(dht, manifest, ttl=max(4 * cfg.announce_every, 10.0))
         metrics.attach_forgeries(lambda: {
-            **{(kind, "signature"): n for kind, n in forgeries.snapshot().items()},
+            **{(kind, "rate" if kind == "unread" else "signature"): n for kind, n in forgeries.snapshot().items()},
             **{(kind, "binding"): n for kind, n in membership.forged.items()},
         })
         join_swarm_manifest(membership, manifest)

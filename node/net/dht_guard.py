@@ -25,12 +25,14 @@ Unbounded keys
     ``MAX_STORAGE_BYTES``. When a bound is reached a *new* subkey is refused; an existing subkey's
     refresh (a newer record for it) still goes in. An answer never exceeds ``MAX_ANSWER_BYTES``.
 
-Verification work per request
+Verification work per request and per sender
     A store request is validated record by record (a signature check each, about half a
     millisecond); hivemind validates all of a request's records in one go, so thousands of records
     block the node's event loop for seconds. Here a request is validated for at most
-    ``MAX_RECORDS_PER_REQUEST`` records (the rest are refused unread) and the node yields to its
-    event loop every ``VALIDATE_CHUNK`` records.
+    ``MAX_RECORDS_PER_REQUEST`` records, a sender for at most ``RECORDS_PER_S`` records a second
+    (bursts of ``RECORDS_BURST``, ``node.net.dht_storage.SenderRates``): the rest are refused unread
+    and counted (``swarm_node_forged_records_total{kind="unread"}``). The node yields to its event
+    loop every ``VALIDATE_CHUNK`` records.
 
 Replays evict
     hivemind's ``TimedStorage.store`` records the expiry of an incoming value in its expiry heap
@@ -70,7 +72,7 @@ from hivemind.utils.timed_storage import (
 )
 
 from node.net.dht_storage import (
-    GuardedLocalStorage, KeyEntries, MAX_BYTES_PER_KEY, MAX_ENTRIES_PER_KEY, MAX_ENTRY_BYTES,
+    GuardedLocalStorage, KeyEntries, MAX_BYTES_PER_KEY, MAX_ENTRIES_PER_KEY, MAX_ENTRY_BYTES, SenderRates,
 )
 
 _PLAIN_SUBKEY = DHTProtocol.IS_REGULAR_VALUE
@@ -129,9 +131,15 @@ class GuardedDHTProtocol(DHTProtocol):
             response.store_ok.extend([False] * n)
             return response
         writer = context.remote_id if context.remote_id is not None else "unknown"
-        budget = [MAX_RECORDS_PER_REQUEST, VALIDATE_CHUNK]  # records left to validate; until the next yield
+        allowed = min(MAX_RECORDS_PER_REQUEST, self.sender_rates.available(writer))
+        budget = [allowed, VALIDATE_CHUNK]  # records left to validate; until the next yield
+        unread = 0
         for key, tag, value, expiration_time in zip(
                 request.keys, request.subkeys, request.values, request.expiration_time):
+            if budget[0] <= 0:  # past the request's or the sender's budget: refused unread
+                unread += 1
+                response.store_ok.append(False)
+                continue
             try:
                 key_id = DHTID.from_bytes(key)
             except Exception:  # noqa: BLE001 - a malformed key id: refused
@@ -142,7 +150,25 @@ class GuardedDHTProtocol(DHTProtocol):
             else:
                 ok = await self._store_one(key, key_id, tag, value, expiration_time, writer, budget)
             response.store_ok.append(ok)
+        self.sender_rates.spend(writer, allowed - budget[0], unread)
+        if unread:
+            self._count_unread(unread)
         return response
+
+    @property
+    def sender_rates(self) -> SenderRates:
+        if not hasattr(self, "_sender_rates"):
+            self._sender_rates = SenderRates()
+        return self._sender_rates
+
+    def _count_unread(self, n: int) -> None:
+        """Records refused unread, in the validator's forgery counter (kind ``unread``) if it has one."""
+        validator = self.record_validator
+        for v in getattr(validator, "_validators", [validator]):
+            counter = getattr(v, "counter", None)
+            if counter is not None:
+                counter.add("unread", n)
+                return
 
     async def _spend(self, budget: list[int]) -> bool:
         """One validation from the request's budget; yield to the loop every VALIDATE_CHUNK."""

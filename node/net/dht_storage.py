@@ -15,7 +15,9 @@ docstring.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Optional
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional
 
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -37,6 +39,9 @@ ENTRY_OVERHEAD = 64  # bytes counted per entry beyond its subkey and value (expi
 KEY_OVERHEAD = 1024  # bytes counted per key against MAX_STORAGE_BYTES (its bookkeeping objects)
 SWEEP_EVERY_S = 1.0  # a full storage counts its lazily expired entries again at most this often
 SELF = "self"  # the writer of what the node stores itself (its own records, its own lookups)
+RECORDS_PER_S = 64.0  # records one sender may have validated per second at one node, sustained
+RECORDS_BURST = 512.0  # and at once (an honest node stores a few records every announce period)
+MAX_SENDERS_TRACKED = 4096  # senders whose rate a node follows (the least recent forgotten first)
 
 
 
@@ -313,3 +318,35 @@ class GuardedLocalStorage(DHTLocalStorage):
             return None, None
         key = self.expiration_heap[ROOT].key
         return key, self.get(key)
+
+
+# ----------------------------------------------------------------------------- senders' rates
+
+
+class SenderRates:
+    """A token bucket of records per sender (``RECORDS_PER_S``, up to ``RECORDS_BURST``): what a
+    store request may have validated. Records past a sender's bucket are refused unread, so a
+    stranger's flood costs a node the reading of its request and not a check per record.
+    Follows at most ``max_senders`` senders (a forgotten one comes back with a full bucket; new
+    identities are free anyway, see docs/THREAT_MODEL.md)."""
+
+    def __init__(self, rate: float = RECORDS_PER_S, burst: float = RECORDS_BURST,
+                 max_senders: int = MAX_SENDERS_TRACKED, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.max_senders, self.clock = rate, burst, max_senders, clock
+        self._buckets: OrderedDict[Any, tuple[float, float]] = OrderedDict()  # sender -> (tokens, when)
+        self.refused = 0  # records refused unread, all senders
+
+    def available(self, sender) -> int:
+        """Whole records ``sender`` may have validated now."""
+        tokens, at = self._buckets.get(sender, (self.burst, self.clock()))
+        return int(min(self.burst, tokens + (self.clock() - at) * self.rate))
+
+    def spend(self, sender, used: int, refused: int = 0) -> None:
+        """``sender`` used ``used`` records of its bucket; ``refused`` more were refused unread."""
+        now = self.clock()
+        tokens, at = self._buckets.pop(sender, (self.burst, now))
+        self._buckets[sender] = (min(self.burst, tokens + (now - at) * self.rate) - used, now)
+        while len(self._buckets) > self.max_senders:
+            self._buckets.popitem(last=False)
+        self.refused += refused
+

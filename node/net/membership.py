@@ -19,7 +19,10 @@ local-only run), so two organisers' runs never share records even under one run 
     no field of it can be changed by anyone else. Entries expire ``ttl`` seconds after their last
     refresh, so a peer that vanishes (kill -9, cable cut) drops out of everyone's view on its own.
 
-Readers trust only entries whose subkey binds them (a ``peer:`` subkey naming the record's own
+A reader asks for ``peers`` both the key's nearest storers and its DHT neighbours, each of which
+keeps its own record and what it read (``node.net.dht_neighbours``): a stranger holding every
+nearest position can withhold the records there, not from the neighbours. Readers trust only
+entries whose subkey binds them (a ``peer:`` subkey naming the record's own
 peer id, the ``manifest:`` subkey of the run's organiser) and count the rest as forged.
 
 Starting and stopping the DHT process itself is ``node.net.dht``'s.
@@ -38,6 +41,7 @@ import hivemind
 
 from node.net.p2pd import split_peer
 from node.net.dht import dht_result
+from node.net.dht_neighbours import announce_and_keep, read_wide
 from node.net.records import manifest_subkey, peer_subkey, run_key, run_namespace_of, writer_expiration
 from node.net.routing import announced_rate
 from protocol import PROTOCOL_VERSION
@@ -251,19 +255,25 @@ class Membership:
                 out[rec.peer_id] = rec
         return list(out.values())
 
+    def _read_peers(self):
+        # the key's nearest storers and our DHT neighbours, the members we met first (dht_neighbours)
+        return self.dht.run_coroutine(functools.partial(read_wide, self.key_peers, list(self._met)),
+                                      return_future=True)
+
     def peers(self, timeout: float = 30.0) -> list[PeerRecord]:
         """The swarm's peer records (blocking; at most ``timeout`` seconds, ``TimeoutError`` naming it)."""
-        return self._parse_peers(dht_result(self.dht.get(self.key_peers, latest=True, return_future=True),
-                                         timeout, "peer records read"))
+        return self._parse_peers(dht_result(self._read_peers(), timeout, "peer records read"))
 
     async def apeers(self, timeout: float = 10.0) -> list[PeerRecord]:
-        found = await asyncio.wait_for(self.dht.get(self.key_peers, latest=True, return_future=True), timeout)
-        return self._parse_peers(found)
+        return self._parse_peers(await asyncio.wait_for(self._read_peers(), timeout))
 
     async def aannounce(self, record: PeerRecord, ttl: float | None = None, timeout: float = 10.0) -> bool:
+        """Store our signed record in the DHT and keep it in our DHT node's own storage, where
+        neighbours reading the run's peers hear it from us (``node.net.dht_neighbours``)."""
         record.time = time.time()
-        fut = self.dht.store(self.key_peers, record.to_value(), writer_expiration(ttl or self.ttl),
-                             subkey=self.subkey, return_future=True)
+        fut = self.dht.run_coroutine(functools.partial(
+            announce_and_keep, self.key_peers, self.subkey, record.to_value(), writer_expiration(ttl or self.ttl)),
+            return_future=True)
         return bool(await asyncio.wait_for(fut, timeout))
 
     # ---- staying joined

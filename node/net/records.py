@@ -240,7 +240,7 @@ RECORD_TYPES: tuple[RecordType, ...] = (
     # a bool, its signature and key (about 1.1 KiB with an RSA-4096 key)
     RecordType("averaging", _is_peer_multihash, "averaging", _check_averaging, 2048, owner=_averaging_owner),
 )
-KINDS = tuple(t.kind for t in RECORD_TYPES) + ("plain", "unknown")
+KINDS = tuple(t.kind for t in RECORD_TYPES) + ("plain", "unknown", "unread")  # unread: over a sender's rate
 
 
 def record_type_of(subkey) -> RecordType | None:
@@ -257,9 +257,9 @@ class ForgeryCounter:
     def __init__(self):
         self._counts = multiprocessing.Array("q", len(KINDS), lock=True)
 
-    def add(self, kind: str) -> None:
+    def add(self, kind: str, n: int = 1) -> None:
         with self._counts.get_lock():
-            self._counts[KINDS.index(kind)] += 1
+            self._counts[KINDS.index(kind)] += n
 
     def snapshot(self) -> dict[str, int]:
         with self._counts.get_lock():

@@ -197,8 +197,10 @@ class NodeMetrics:
     def attach_forgeries(self, source) -> None:
         """``source()`` -> ``{(kind, check): count}`` of DHT records refused as forged, read at every
         scrape. kind: ``peer`` (announcements), ``manifest``, ``averaging`` (matchmaking), ``plain``
-        (a plain value that would replace a dictionary); check ``signature``: refused by the record
-        validator, ``binding``: a stored entry whose subkey does not bind what it claims."""
+        (a plain value that would replace a dictionary), ``unknown`` (no record type), ``unread``;
+        check ``signature``: refused by the record validator, ``binding``: a stored entry whose
+        subkey does not bind what it claims, ``rate``: refused unread, past its sender's rate
+        (``node.net.dht_storage.SenderRates``)."""
         self._forged_source = source
 
     def attach_neighbour_bytes(self, source) -> None:
