@@ -70,6 +70,27 @@ def test_new_replica_counts_as_an_average_one():
     assert r.choose(1) in ("old1", "old2")
 
 
+def test_a_replica_that_claims_a_thousandfold_capacity_gets_at_most_four_times_the_typical_share():
+    # its claim is its own: weighed as at most 4 x the stage's lower median, it cannot draw all the
+    # microbatches (which it would then hold until banned for timing out)
+    r, _ = make([Rec("liar", 1, capacity=1e5), Rec("b", 1, capacity=100), Rec("c", 1, capacity=100)])
+    picks = []
+    for _ in range(60):  # none comes back: the outstanding count is what spreads them
+        p = r.choose(1)
+        r.on_sent(p)
+        picks.append(p)
+    assert picks.count("b") >= 9 and picks.count("c") >= 9, picks
+    assert picks.count("liar") <= 4 * min(picks.count("b"), picks.count("c")) + 4, picks
+    # an honest replica three times as fast as the typical one is weighed as it says
+    r, _ = make([Rec("fast", 1, capacity=300), Rec("b", 1, capacity=100), Rec("c", 1, capacity=100)])
+    picks = []
+    for _ in range(50):
+        p = r.choose(1)
+        r.on_sent(p)
+        picks.append(p)
+    assert abs(picks.count("fast") - 30) <= 2, picks
+
+
 def test_excludes_self_offline_joining_and_excluded():
     r, _ = make([Rec("me", 1, throughput=1e9), Rec("j", 1, state="joining"), Rec("d", 1, state="draining"),
                  Rec("a", 1), Rec("b", 1)])

@@ -22,6 +22,12 @@ work announced more, was sent more, and the split stayed where chance had put it
 test_routing.py reproduces the drift in a closed loop). A replica that computes twice as fast
 still gets twice the work.
 
+A capacity counts for at most ``MAX_CAPACITY_OVER_TYPICAL`` times the stage's typical one (the
+lower median of its replicas' announcements): the claim is the replica's own, and a replica that
+announced a thousandfold capacity would otherwise draw nearly all of a stage's microbatches and
+hold them until it is banned for timing out. An honest replica up to that many times faster than
+the typical one is weighed as it says.
+
 Failures ban a peer with exponential backoff: ``base · 2^(strikes-1)`` seconds, capped at
 ``max_ban``. A success clears the strikes; a fresh DHT announcement from the peer (its own
 timestamp newer than when it failed: it restarted, or the network healed) lifts the ban early. Bans for cause (the verifier flagged the peer,
@@ -62,6 +68,9 @@ class CapacityMeter:
             (tok0, busy0), (tok1, busy1) = self._points[0], self._points[-1]
         busy = busy1 - busy0
         return (tok1 - tok0) / busy if busy > 0 else 0.0
+
+
+MAX_CAPACITY_OVER_TYPICAL = 4.0  # the most a replica's announced capacity counts, in stage medians
 
 
 def announced_rate(rec) -> float:
@@ -161,7 +170,7 @@ class Router:
     # ---- choice
 
     def score(self, p: PeerState, typical: float) -> float:
-        capacity = announced_rate(p) or typical
+        capacity = min(announced_rate(p) or typical, MAX_CAPACITY_OVER_TYPICAL * typical)
         return (p.queue + p.outstanding + 1) / max(capacity, 1e-9)
 
     def choose(self, stage: int, exclude=()) -> str | None:
@@ -178,7 +187,7 @@ class Router:
                 p.cool -= 1
             cands = [p for p in cands if not any(p is c for c in cooling)]
         rates = [r for r in map(announced_rate, self.stage_peers(stage, include_banned=True)) if r > 0]
-        typical = statistics.median(rates) if rates else 1.0
+        typical = statistics.median_low(rates) if rates else 1.0
         scored = [(self.score(p, typical), self.rng.random(), p.peer_id) for p in cands]
         return min(scored)[2]
 
