@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--pause", type=float, default=0.2, help="seconds between the stranger's rounds")
     p.add_argument("--manifest", default="test", help="shipped manifest the run is signed from")
     p.add_argument("--workdir", default="", help="keep the nodes' logs here")
+    p.add_argument("--no-attack", action="store_true",
+                   help="the stranger joins but never attacks: the ratio of two quiet windows (the drift)")
     args = p.parse_args(argv)
     window = 20.0 if args.quick else args.window
 
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
     other = sign_manifest(base.replace(run={"id": base.run.id + "-b"}, optim={"lr": 0.5}), organiser)
     path = work / "run.toml"
     path.write_text(manifest_toml(signed))
-    out: dict = {"settings": {"window_s": window, "flood_per_round": args.flood, "pause_s": args.pause,
+    out: dict = {"settings": {"window_s": window, "attack": not args.no_attack, "flood_per_round": args.flood,
+                              "pause_s": args.pause,
                               "manifest": args.manifest, "stages": 3, "stranger_nice": 19}}
     sw = LocalSwarm(str(path), workdir=work / "swarm")
     stranger = None
@@ -101,7 +104,8 @@ def main(argv=None) -> int:
         time.sleep(window)
         s1 = sw.value(tail, "swarm_node_steps_total")
         out["replays_captured"] = stranger.capture_replays()  # the records as they are now, replayed once older
-        stranger.start()
+        if not args.no_attack:
+            stranger.start()
         time.sleep(window)
         s2 = sw.value(tail, "swarm_node_steps_total")
         stranger.stop()

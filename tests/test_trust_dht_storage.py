@@ -320,6 +320,38 @@ async def test_one_invalid_entry_in_an_answer_costs_the_reader_only_that_entry()
         await _shutdown(reader, stranger)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.asyncio
+async def test_a_reader_checks_a_signed_entry_once_however_many_answers_bring_it():
+    validator = CountingValidator()
+    reader = None
+    try:
+        reader = await GuardedDHTNode.create(record_validator=validator, **LOOPBACK)
+
+        honest = _keys(2)
+        expiration = get_dht_time() + 60
+        signed = {e: [_signed(k, e) for k in honest] for e in (expiration, expiration + 1)}
+
+        def answer(expiration):  # another copy of the same records, as another node's answer is
+            d = DictionaryDHTValue()
+            for entry in signed[expiration]:
+                d.store(*entry)
+            return d
+
+        for _ in range(5):  # five answers bring the same two records
+            assert reader.protocol._validate_dictionary(KEY_ID.to_bytes(), answer(expiration))
+        assert validator.judged == 2
+        assert reader.protocol._validate_dictionary(KEY_ID.to_bytes(), answer(expiration + 1))  # refreshed: new
+        assert validator.judged == 4
+        forged = DictionaryDHTValue()
+        subkey, value, _ = signed[expiration + 1][0]
+        forged.store(subkey, value[:-1] + bytes([value[-1] ^ 1]), expiration + 1)  # one bit of the signature
+        assert not reader.protocol._validate_dictionary(KEY_ID.to_bytes(), forged)
+        assert validator.judged == 5
+    finally:
+        await _shutdown(reader)
+
+
 # ----------------------------------------------------------------------------- replays
 
 

@@ -44,7 +44,9 @@ All-or-nothing dictionaries
     hivemind drops a whole dictionary answer when one of its entries fails validation, honest
     entries included, and takes the answer's expiry as its sender claims it (a claimed expiry of
     infinity ends a reader's ``latest=True`` lookup at once). Here a reader keeps each valid entry
-    of an answer, drops the others, and dates the answer by its valid entries alone.
+    of an answer, drops the others, and dates the answer by its valid entries alone. It checks an
+    entry it has found valid before (same bytes, same expiry) only once: every lookup, and every
+    neighbour asked by ``node.net.dht_neighbours``, brings the same signed records again.
 
 Reader's own storage
     hivemind's lookup merges remote answers into the very dictionary object its local storage
@@ -73,6 +75,7 @@ from hivemind.utils.timed_storage import (
 
 from node.net.dht_storage import (
     GuardedLocalStorage, KeyEntries, MAX_BYTES_PER_KEY, MAX_ENTRIES_PER_KEY, MAX_ENTRY_BYTES, SenderRates,
+    VerifiedEntries,
 )
 
 _PLAIN_SUBKEY = DHTProtocol.IS_REGULAR_VALUE
@@ -285,6 +288,12 @@ class GuardedDHTProtocol(DHTProtocol):
                 output[key] = ValueWithExpiration(dictionary, latest), nearest
         return output
 
+    @property
+    def _verified(self) -> VerifiedEntries:
+        if not hasattr(self, "_verified_entries"):
+            self._verified_entries = VerifiedEntries()
+        return self._verified_entries
+
     def _validate_dictionary(self, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
         """Keep the entries that pass the validator (hivemind: all of them, or the answer is dropped).
         Also dropped: expired entries, entries past ``MAX_ENTRIES_PER_KEY`` (no guarded node answers
@@ -303,12 +312,15 @@ class GuardedDHTProtocol(DHTProtocol):
                 continue
             try:
                 record = DHTRecord(key_bytes, self.serializer.dumps(subkey), value, expiration_time)
-                if self.record_validator is not None:
-                    if not self.record_validator.validate(record):
-                        continue
-                    self.serializer.loads(self.record_validator.strip_value(record))
-                else:
-                    self.serializer.loads(value)
+                mark = VerifiedEntries.mark(record)
+                if mark not in self._verified:
+                    if self.record_validator is not None:
+                        if not self.record_validator.validate(record):
+                            continue
+                        self.serializer.loads(self.record_validator.strip_value(record))
+                    else:
+                        self.serializer.loads(value)
+                self._verified.add(mark)
             except Exception:  # noqa: BLE001 - an entry the reader cannot use: dropped
                 continue
             kept.append((subkey, value, expiration_time))

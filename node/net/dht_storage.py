@@ -14,6 +14,7 @@ docstring.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import time
 from collections import OrderedDict
@@ -42,6 +43,7 @@ SELF = "self"  # the writer of what the node stores itself (its own records, its
 RECORDS_PER_S = 64.0  # records one sender may have validated per second at one node, sustained
 RECORDS_BURST = 512.0  # and at once (an honest node stores a few records every announce period)
 MAX_SENDERS_TRACKED = 4096  # senders whose rate a node follows (the least recent forgotten first)
+VERIFIED_KEPT = 8192  # entries a reader remembers it found valid (checked once, not at every lookup)
 
 
 
@@ -349,4 +351,30 @@ class SenderRates:
         while len(self._buckets) > self.max_senders:
             self._buckets.popitem(last=False)
         self.refused += refused
+
+
+class VerifiedEntries:
+    """The entries a reader found valid, the most recent ``kept``: every lookup, and every neighbour
+    asked by ``node.net.dht_neighbours``, brings the same signed records again, and each is checked
+    once. An entry is the same only with the same key, subkey, value bytes and expiry, and one found
+    valid stays valid until it expires (the expiry cap is judged against a later now)."""
+
+    def __init__(self, kept: int = VERIFIED_KEPT):
+        self.kept = kept
+        self._marks: OrderedDict[tuple, None] = OrderedDict()
+
+    @staticmethod
+    def mark(record) -> tuple:
+        """What identifies a ``DHTRecord``: key, subkey, a digest of its value, expiry."""
+        return (record.key, record.subkey, hashlib.blake2b(record.value, digest_size=16).digest(),
+                record.expiration_time)
+
+    def __contains__(self, mark: tuple) -> bool:
+        return mark in self._marks
+
+    def add(self, mark: tuple) -> None:
+        self._marks[mark] = None
+        self._marks.move_to_end(mark)
+        while len(self._marks) > self.kept:
+            self._marks.popitem(last=False)
 
