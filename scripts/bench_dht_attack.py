@@ -59,6 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--pause", type=float, default=0.2, help="seconds between the stranger's rounds")
     p.add_argument("--manifest", default="test", help="shipped manifest the run is signed from")
     p.add_argument("--workdir", default="", help="keep the nodes' logs here")
+    p.add_argument("--control", choices=["idle", "decoy"], default="idle",
+                   help="the stranger in the window before the attack: idle, or attacking a decoy (a guarded "
+                        "DHT node of the swarm's DHT that trains nothing), so that both windows carry its own "
+                        "work on these shared cores")
     p.add_argument("--no-attack", action="store_true",
                    help="the stranger joins but never attacks: the ratio of two quiet windows (the drift)")
     args = p.parse_args(argv)
@@ -78,11 +82,12 @@ def main(argv=None) -> int:
     other = sign_manifest(base.replace(run={"id": base.run.id + "-b"}, optim={"lr": 0.5}), organiser)
     path = work / "run.toml"
     path.write_text(manifest_toml(signed))
-    out: dict = {"settings": {"window_s": window, "attack": not args.no_attack, "flood_per_round": args.flood,
+    out: dict = {"settings": {"window_s": window, "attack": not args.no_attack, "control": args.control,
+                              "flood_per_round": args.flood,
                               "pause_s": args.pause,
                               "manifest": args.manifest, "stages": 3, "stranger_nice": 19}}
     sw = LocalSwarm(str(path), workdir=work / "swarm")
-    stranger = None
+    stranger = decoy = None
     t0 = time.monotonic()
     try:
         peers = sw.start_bootstrap()
@@ -95,16 +100,27 @@ def main(argv=None) -> int:
         # records and requests) gets this machine's CPU only when the swarm leaves some (nice 19,
         # inherited by its DHT process); what its requests cost the swarm's nodes is all counted
         os.nice(19)
+        if args.control == "decoy":
+            from node.net.dht import start_dht
+
+            decoy = start_dht(peers, ["/ip4/127.0.0.1/tcp/0"], local=True)  # started niced: the stranger's cost
         stranger = Stranger(peers, signed, other, flood=args.flood, pause=args.pause)
         stranger.victims = [x for x in (peer_id_of(n) for n in (head, body, tail)) if x]
         out["answers_before"] = summary(stranger.answers())
         out["bootstrap_rss_mib_before"] = round(rss_tree(sw.bootstrap.pid) / 2**20, 1)
 
+        if args.control == "decoy":  # the stranger's rounds go to the decoy alone before the attack
+            stranger.only = [decoy.peer_id.to_base58()]
+            stranger.start()
         s0 = sw.value(tail, "swarm_node_steps_total")
         time.sleep(window)
         s1 = sw.value(tail, "swarm_node_steps_total")
         out["replays_captured"] = stranger.capture_replays()  # the records as they are now, replayed once older
-        if not args.no_attack:
+        if args.control == "decoy":
+            stranger.only = None
+            stranger.spare = [decoy.peer_id.to_base58()]
+            out["decoy_rounds"] = stranger.rounds
+        elif not args.no_attack:
             stranger.start()
         time.sleep(window)
         s2 = sw.value(tail, "swarm_node_steps_total")
@@ -125,6 +141,8 @@ def main(argv=None) -> int:
     finally:
         if stranger is not None:
             stranger.close()
+        if decoy is not None:
+            decoy.shutdown()
         out["exit_codes"] = sw.close()
         out["seconds"] = round(time.monotonic() - t0, 1)
         out["logs"] = str(work)

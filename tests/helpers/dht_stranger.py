@@ -70,9 +70,11 @@ class Round:
     kinds: dict[str, int]
 
 
-async def _send(dht, node, items, batch: int):
-    """In the stranger's DHT process: send ``items`` to every DHT node it knows, ``batch`` per request."""
-    peers = list(node.protocol.routing_table.peer_id_to_uid.keys())
+async def _send(dht, node, items, batch: int, only=None, spare=()):
+    """In the stranger's DHT process: send ``items`` to every DHT node it knows (those in ``only``
+    if given, none in ``spare``; base58 peer ids), ``batch`` per request."""
+    peers = [p for p in node.protocol.routing_table.peer_id_to_uid.keys()
+             if (only is None or p.to_base58() in only) and p.to_base58() not in spare]
     stored = refused = 0
     for peer in peers:
         for i in range(0, len(items), batch):
@@ -193,6 +195,8 @@ class Stranger:
         self.other = other
         self.flood, self.batch, self.pause, self.rsa = flood, batch, pause, rsa
         self.victims: list[str] = []
+        self.only: list[str] | None = None  # send only to these DHT nodes (base58 peer ids); None: to all
+        self.spare: list[str] = []  # and never to these
         self.replays: list[tuple[object, bytes, float]] = []
         self.rounds = 0
         self.sent = {k: 0 for k in KINDS}
@@ -203,7 +207,7 @@ class Stranger:
     def spec(self) -> dict:
         return {"key_peers": self.key_peers, "key_manifest": self.key_manifest, "own": self.own,
                 "victims": list(self.victims), "replays": list(self.replays), "other": self.other,
-                "flood": self.flood, "rsa": self.rsa}
+                "flood": self.flood, "rsa": self.rsa, "only": self.only, "spare": list(self.spare)}
 
     # ---- running it
 
@@ -245,7 +249,8 @@ class Stranger:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(60)
+        if self._thread.ident is not None:  # started
+            self._thread.join(60)
 
     def close(self) -> None:
         self.stop()
@@ -261,7 +266,8 @@ class _send_partial:
 
     async def __call__(self, dht, node):
         r = round_items(self.spec)
-        _, stored, refused = await _send(dht, node, r.items, self.batch)
+        _, stored, refused = await _send(dht, node, r.items, self.batch, self.spec.get("only"),
+                                         self.spec.get("spare", ()))
         return r.kinds, stored, refused
 
 
