@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         # inherited by its DHT process); what its requests cost the swarm's nodes is all counted
         os.nice(19)
         if args.control == "decoy":
-            from node.net.dht import start_dht
+            from node.net import start_dht
 
             decoy = start_dht(peers, ["/ip4/127.0.0.1/tcp/0"], local=True)  # started niced: the stranger's cost
         stranger = Stranger(peers, signed, other, flood=args.flood, pause=args.pause)

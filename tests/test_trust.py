@@ -128,7 +128,7 @@ def test_the_validator_refuses_forged_peer_records_and_counts_them(forgery):
         record = DHTRecord(KEY, MSGPackSerializer.dumps(peer_subkey(victim.peer_id)), b"SWNR1\xff\x00",
                            get_dht_time() + 20)
     assert not reader.validate(record)
-    assert counter.snapshot() == {"peer": 1, "manifest": 0, "averaging": 0, "plain": 0, "unknown": 0}
+    assert counter.snapshot() == {"peer": 1, "manifest": 0, "averaging": 0, "plain": 0, "unknown": 0, "unread": 0}
 
 
 def _manifest_record(manifest, subkey=None, under=None, **overrides):
@@ -155,7 +155,7 @@ def test_the_validator_binds_the_published_manifest_to_its_organiser():
     assert not v.validate(_manifest_record(signed, hash="0" * 64))  # a hash that is not the fields'
     # under its own organiser subkey a forger's manifest is valid, and is another run (namespace)
     assert v.validate(_manifest_record(forged))
-    assert counter.snapshot() == {"peer": 0, "manifest": 3, "averaging": 0, "plain": 0, "unknown": 0}
+    assert counter.snapshot() == {"peer": 0, "manifest": 3, "averaging": 0, "plain": 0, "unknown": 0, "unread": 0}
 
 
 def test_averaging_announcements_are_bound_to_the_peer_they_announce():

@@ -259,7 +259,7 @@ def test_a_run_scope_keeps_each_record_type_under_its_own_keys():
     # and never under another type's key of this run
     assert not v.validate(_announcement(me, manifest_key)) and not v.validate(_announcement(me, group))
     assert not v.validate(declare(key=peers)) and not v.validate(declare(key=manifest_key))
-    assert counter.snapshot() == {"peer": 2, "manifest": 0, "averaging": 2, "plain": 0, "unknown": 0}
+    assert counter.snapshot() == {"peer": 2, "manifest": 0, "averaging": 2, "plain": 0, "unknown": 0, "unread": 0}
 
 
 def test_the_averaging_keys_are_the_averager_s_own():
