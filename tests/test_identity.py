@@ -41,8 +41,24 @@ def test_keygen_writes_a_private_key_with_mode_0600_and_refuses_to_overwrite(tmp
     assert path.read_bytes() != blob and check_identity(path) != peer_id
     assert [p.name for p in tmp_path.iterdir()] == ["node.key"]  # no temp file left
 
-    with pytest.raises(CliError, match="mkdir -p"):
-        keygen([str(tmp_path / "missing" / "k")])
+    # a key's missing directory is created for the owner only (its parents as mkdir -p makes them)
+    nested = tmp_path / "home" / ".swarm-node" / "identity.key"
+    assert keygen([str(nested)]) == 0 and check_identity(nested)
+    assert stat.S_IMODE(nested.parent.stat().st_mode) == 0o700
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CliError, match="cannot create directory .*afile"):
+        keygen([str(tmp_path / "afile" / "k")])
+
+
+def test_manifest_keygen_creates_the_key_s_directory(tmp_path, capsys):
+    from node.ops.manifest_cmd import add_arguments as add_manifest, main as manifest_main
+
+    parser = argparse.ArgumentParser()
+    add_manifest(parser)
+    path = tmp_path / ".swarm-node" / "organiser.key"
+    assert manifest_main(parser.parse_args(["keygen", str(path)])) == 0
+    assert "organiser public key" in capsys.readouterr().out
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
 
 
 def test_identity_checks_permissions_and_format(tmp_path):

@@ -1,5 +1,5 @@
 """node/base/: the floor every other room of ``node`` stands on — the errors (``CliError``,
-``CheckpointError``), the checkpoint file format, the Linux process table and parent-death
+``CheckpointError``), the checkpoint file format, the directory a new key goes into, the Linux process table and parent-death
 signal, and logging setup. It imports no other room of ``node``.
 
 The names other rooms may use, each module imported on first use of one of its names (the
@@ -20,6 +20,7 @@ _EXPORTS = {
     "restore_module": "node.base.checkpoint",
     "restore_optimizer": "node.base.checkpoint",
     "save_checkpoint": "node.base.checkpoint",
+    "ensure_key_directory": "node.base.files",
     "children_of": "node.base.procs",
     "processes": "node.base.procs",
     "set_parent_death_signal": "node.base.procs",

@@ -20,7 +20,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from node.base import CliError
+from node.base import CliError, ensure_key_directory
 
 # ----------------------------------------------------------------------------- files
 
@@ -34,8 +34,7 @@ def write_identity(path: str | os.PathLike, *, force: bool = False) -> str:
     path = Path(path)
     if path.exists() and not force:
         raise CliError(f"{path} already exists; keep it (it is this node's peer id) or pass --force to replace it")
-    if not path.parent.is_dir():
-        raise CliError(f"directory {path.parent} does not exist; create it first (mkdir -p {path.parent})")
+    ensure_key_directory(path)
     from security import new_ed25519_key, peer_id_from_key  # the key codec (imported here: it loads torch)
 
     blob = new_ed25519_key()

@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from node.base import CliError
+from node.base import CliError, ensure_key_directory
 
 
 def add_arguments(p) -> None:
@@ -85,6 +85,7 @@ def main(args) -> int:
         if path.exists() and not args.force:
             raise CliError(f"{path} already exists; keep it (it signs your run) or pass --force to replace it")
         key = OrganiserKey.generate()
+        ensure_key_directory(path)
         _write_private(path, key.to_text(), 0o600)
         print(f"wrote {path} (mode 0600)")
         print(f"organiser public key: {key.public}")
