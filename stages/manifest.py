@@ -43,6 +43,9 @@ class ManifestError(ValueError):
     """A manifest is unusable; the message names the field and what is wrong with it."""
 
 
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (stages/data.py): the only one a run can use
+
+
 @dataclass(frozen=True)
 class RunConfig:
     id: str = "swarm-default"
@@ -55,7 +58,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256
+    vocab_size: int = 256  # BYTE_VOCAB: the byte tokenizer's (stages/data.py)
     d_model: int = 256
     n_layers: int = 6
     n_heads: int = 4
@@ -473,8 +476,9 @@ def validate_manifest(m: Manifest) -> None:
             "block rescales the whole residual stream, so h - T[x] leaves span(U) and the Subspace "
             "boundary codec is not exact; use a dense run or block_norm 'peri' / 'pre'"
         )
-    if md.vocab_size > 2**31 - 1:
-        raise ManifestError("model.vocab_size: too large")
+    if md.vocab_size != BYTE_VOCAB:
+        raise ManifestError(f"model.vocab_size: must be {BYTE_VOCAB}, the byte tokenizer's vocabulary (every token "
+                            f"is one UTF-8 byte), got {md.vocab_size}")
     sub = m.subspace
     if sub.enabled:
         if sub.k < 1:

@@ -43,6 +43,8 @@ def test_default_compression_is_at_least_30x(default_manifest):
         ({"asyncmesh": {"avg_blend_steps": 0}}, "asyncmesh.avg_blend_steps: must be in [1, 1000]"),
         ({"asyncmesh": {"avg_blend_steps": 2.5}}, "asyncmesh.avg_blend_steps: expected an integer"),
         ({"model": {"n_layer": 4}}, "model.n_layer: unknown field"),
+        ({"model": {"vocab_size": 100}}, "model.vocab_size: must be 256, the byte tokenizer's vocabulary"),
+        ({"model": {"vocab_size": 300}}, "model.vocab_size: must be 256"),
         ({"modle": {}}, "unknown manifest section [modle]"),
     ],
 )

@@ -42,10 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=9100, help="metrics port that must be free")
     p.add_argument("--port", type=int, action="append", default=[], help="another TCP port that must be free")
     p.add_argument("--initial-peers", nargs="*", default=[], help="bootstrap multiaddrs to test reachability")
-    p.add_argument("--timeout", type=float, default=20.0, help="seconds for the reachability check")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds for the reachability check (default: %(default)s)")
     p.add_argument("--nat-wait", type=float, default=40.0,
                    help="seconds the NAT check waits for AutoNAT's verdict (0: skip it); it listens on the first "
-                        "--port, so a forwarded port is tested")
+                        "--port, so a forwarded port is tested (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="metrics URL (http://host:9100) or the node's multiaddr")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the node (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
 
 
