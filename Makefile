@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # a bootstrap peer + 3 stage processes on 127.0.0.1 train stages/runs/default.toml on the bundled corpus;
-# stops by itself after DEMO_STEPS tail steps (or Ctrl-C); `make demo DEMO_STEPS=0` runs until stopped
+# stops by itself after DEMO_STEPS tail steps (or Ctrl-C); `make demo DEMO_STEPS=0` stops at the manifest's train.steps
 demo: setup
 	$(VENV)/bin/swarm-node demo --steps $(DEMO_STEPS)
 
