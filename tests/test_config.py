@@ -174,3 +174,22 @@ def test_doctor_shows_the_organiser_and_checks_a_pin():
     assert c.status == "ok" and "the pinned one" in c.detail
     c = check_signature(m, "0" * 16)
     assert c.status == "fail" and f"signed by organiser {f}, not by the pinned organiser {'0' * 16}" in c.detail
+
+
+@pytest.mark.parametrize("argv, needle", [
+    # an unsigned manifest on a public address: refused as `run` refuses it
+    (["--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--manifest", "test"], "--manifest test is not signed"),
+    # --allow-unsigned only where every address is loopback and none is announced
+    (["--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--manifest", "test", "--allow-unsigned"],
+     "--allow-unsigned is for a swarm on this machine only, but /ip4/0.0.0.0/tcp/0"),
+    (["--local", "--manifest", "test", "--allow-unsigned", "--announce-maddrs", "/ip4/203.0.113.7/tcp/31337"],
+     "/ip4/203.0.113.7/tcp/31337 is not a loopback address"),
+])
+def test_bootstrap_publishes_an_unsigned_manifest_only_as_run_would_use_one(argv, needle):
+    from node.ops.bootstrap import _main, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(CliError) as e:  # refused before any daemon starts
+        _main(parser.parse_args(argv))
+    assert needle in str(e.value) and "\n" not in str(e.value)

@@ -30,6 +30,9 @@ def add_arguments(p) -> None:
     p.add_argument("--manifest", default="", help="also publish this run manifest (a file or a shipped name)")
     p.add_argument("--organiser", default="", metavar="FINGERPRINT",
                    help="publish the manifest only if the organiser with this key fingerprint signed it")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="LOCAL SWARMS ONLY: publish an unsigned --manifest (refused unless every --host-maddrs and "
+                        "--initial-peers is loopback, or --local, and nothing is announced), as `run` does")
     p.add_argument("--maddrs-file", default="", help="also write the multiaddrs to this file (one per line)")
 
 
@@ -41,7 +44,7 @@ def main(args) -> int:
 
 def _main(args) -> int:
     from node.net import check_identity
-    from node.ops.config import tcp_ports
+    from node.ops.config import check_local_only, tcp_ports
     from node.ops.startup import check_port_free, check_signed
 
     host = args.host_maddrs or (["/ip4/127.0.0.1/tcp/0"] if args.local else ["/ip4/0.0.0.0/tcp/31337"])
@@ -59,8 +62,11 @@ def _main(args) -> int:
         manifest = load_manifest_arg(args.manifest)
         from node.ops.config import check_fingerprint
 
-        # a tampered file is refused, and with --organiser another organiser's
-        check_signed(manifest, args.manifest, allow_unsigned=True, organiser=check_fingerprint(args.organiser))
+        # a tampered file is refused, an unsigned one as by `run`, and with --organiser another organiser's
+        if args.allow_unsigned:
+            check_local_only(host, args.initial_peers, args.announce_maddrs)
+        check_signed(manifest, args.manifest, allow_unsigned=args.allow_unsigned,
+                     organiser=check_fingerprint(args.organiser))
 
     from node.net import BootstrapError, ManifestMismatch, Membership, start_dht, start_failure_line, stop_dht
 

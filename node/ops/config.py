@@ -274,12 +274,18 @@ def validate_config(cfg: NodeConfig) -> None:
     if cfg.local:
         cfg.host_maddrs = [m.replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/") for m in cfg.host_maddrs]
     if cfg.allow_unsigned:
-        public = [m for m in cfg.host_maddrs + cfg.initial_peers if not is_loopback(m)] + cfg.announce_maddrs
-        if public:
-            raise CliError(f"--allow-unsigned is for a swarm on this machine only, but {public[0]} is not a loopback "
-                           "address: every --host-maddrs and --initial-peers must be on 127.0.0.1 (or --local), with "
-                           "no --announce-maddrs; a public node runs a signed manifest (swarm-node manifest sign)")
+        check_local_only(cfg.host_maddrs, cfg.initial_peers, cfg.announce_maddrs)
     cfg.organiser = check_fingerprint(cfg.organiser)
+
+
+def check_local_only(host_maddrs: list[str], initial_peers: list[str], announce_maddrs: list[str]) -> None:
+    """``--allow-unsigned`` (``run`` and ``bootstrap``): every address the node listens on or dials
+    is loopback and it announces none; one ``CliError`` naming the first that is not."""
+    public = [m for m in list(host_maddrs) + list(initial_peers) if not is_loopback(m)] + list(announce_maddrs)
+    if public:
+        raise CliError(f"--allow-unsigned is for a swarm on this machine only, but {public[0]} is not a loopback "
+                       "address: every --host-maddrs and --initial-peers must be on 127.0.0.1 (or --local), with "
+                       "no --announce-maddrs; a public node runs a signed manifest (swarm-node manifest sign)")
 
 
 def check_fingerprint(value: str) -> str:

@@ -181,7 +181,7 @@ class LocalSwarm:
     def start_bootstrap(self, timeout: float = 60.0, publish_manifest: bool = True) -> list[str]:
         argv = ["bootstrap", "--local"]
         if publish_manifest:
-            argv += ["--manifest", self.manifest]
+            argv += ["--manifest", self.manifest, *self._unsigned]
         self.bootstrap = self._spawn("bootstrap", argv)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

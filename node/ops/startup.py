@@ -82,7 +82,7 @@ def load_manifest_arg(path: str, flag: str = "--manifest"):
 def check_signed(manifest, name: str, allow_unsigned: bool, organiser: str = "") -> None:
     """The first check of a run (``name``: the ``--manifest`` given): the manifest is the
     organisers' (signed by ``run.organiser``), or unsigned and allowed (a swarm of this machine
-    only, ``--allow-unsigned``; a bootstrap peer only publishes). ``organiser``: a pinned organiser
+    only, ``--allow-unsigned``, on ``run`` and ``bootstrap`` alike). ``organiser``: a pinned organiser
     key fingerprint (``--organiser``): the manifest must be signed by that key, since a manifest
     file names its own organiser and so cannot vouch for it. One line with the fix if not."""
     from security import manifest_signature_problem, organiser_fingerprint
