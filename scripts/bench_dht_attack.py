@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-attack", action="store_true",
                    help="the stranger joins but never attacks: the ratio of two quiet windows (the drift)")
     args = p.parse_args(argv)
+    if args.no_attack and args.control == "decoy":
+        p.error("--no-attack and --control decoy: the decoy control is a window of attack")
     window = 20.0 if args.quick else args.window
 
     from node.ops import LocalSwarm, sign_manifest

@@ -113,6 +113,9 @@ class GuardedDHTProtocol(DHTProtocol):
         await super().add_p2p_handlers(p2p, wrapper, **kwargs)
 
     def _guard_storage(self) -> None:
+        if not hasattr(self, "sender_rates"):  # (DHTProtocol.create builds the protocol without __init__)
+            self.sender_rates = SenderRates()  # records each sender may still have checked
+            self._verified = VerifiedEntries()  # entries this node, as a reader, found valid
         if not isinstance(self.storage, GuardedLocalStorage):
             self.storage = GuardedLocalStorage()
         if not isinstance(self.cache, GuardedLocalStorage):
@@ -157,12 +160,6 @@ class GuardedDHTProtocol(DHTProtocol):
         if unread:
             self._count_unread(unread)
         return response
-
-    @property
-    def sender_rates(self) -> SenderRates:
-        if not hasattr(self, "_sender_rates"):
-            self._sender_rates = SenderRates()
-        return self._sender_rates
 
     def _count_unread(self, n: int) -> None:
         """Records refused unread, in the validator's forgery counter (kind ``unread``) if it has one."""
@@ -287,12 +284,6 @@ class GuardedDHTProtocol(DHTProtocol):
                 latest = max(item.expiration_time for item in dictionary.data.values())
                 output[key] = ValueWithExpiration(dictionary, latest), nearest
         return output
-
-    @property
-    def _verified(self) -> VerifiedEntries:
-        if not hasattr(self, "_verified_entries"):
-            self._verified_entries = VerifiedEntries()
-        return self._verified_entries
 
     def _validate_dictionary(self, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
         """Keep the entries that pass the validator (hivemind: all of them, or the answer is dropped).
