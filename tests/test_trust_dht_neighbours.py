@@ -15,6 +15,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from node.net.dht_guard import GuardedDHTNode
 from node.net.dht_neighbours import announce_and_keep, read_wide
@@ -49,8 +50,6 @@ class Withholding(DHTLocalStorage):
 
     def get(self, key):
         if key == KEY_ID and self.served is not None:
-            from hivemind.utils.timed_storage import ValueWithExpiration
-
             return ValueWithExpiration(self.served, self.served.latest_expiration_time)
         return None
 
@@ -76,6 +75,7 @@ async def test_readers_find_every_honest_peer_when_the_stranger_holds_every_near
             MSGPackSerializer.dumps(_announcement(keys[0], stale_at)), stale_exp))
         served = DictionaryDHTValue()
         served.store(peer_subkey(keys[0].peer_id), stale_value, stale_exp)
+
         async def stranger(i: int) -> DHTNode:
             s = await DHTNode.create(initial_peers=initial, node_id=DHTID(int(KEY_ID) ^ i), **LOOPBACK)
             s.protocol.storage = Withholding(served)
